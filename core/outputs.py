@@ -1,0 +1,101 @@
+"""What crosses the scheduler/worker boundary each step (plain dataclasses).
+
+The gRPC layer converts these to and from protobuf in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenbudget.core.request import MultiModalFeature
+from tokenbudget.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything a worker needs the first time it sees a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_id: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Deltas for requests the worker already holds, one entry per index.
+
+    For a request resumed after preemption, ``new_block_ids`` holds its whole
+    block table (replacing the old one) and ``resumed_token_ids`` its full
+    token ids (prompt + outputs so far); the worker dropped its KV on
+    preemption but kept its sampling state.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (prompt chunk, 1 decode token,
+    # or 1 + number of draft tokens).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> draft tokens to verify this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> indices into that request's mm_features to encode this step.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    num_common_prefix_blocks: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # Packed int32 bitmask rows (numpy array) for the structured requests in
+    # ``structured_req_ids`` order, or None.
+    grammar_bitmask: Any = None
+    structured_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: empty while a prompt is still mid-prefill, one
+    # token normally, up to 1 + drafts with speculative decoding.
+    sampled_token_ids: list[list[int]]
+    # Per request (same index), per sampled token: {token_id: logprob} holding
+    # the sampled token and the top-n; None where not asked for.
+    logprobs: list[list[dict[int, float]] | None] | None = None
+    pooler_output: list[Any] | None = None
+
+    @staticmethod
+    def empty() -> ModelRunnerOutput:
+        return ModelRunnerOutput([], {}, [])
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,138 @@
+"""A request as the scheduler sees it: tokens, progress and status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenbudget.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+@dataclass(slots=True)
+class MultiModalFeature:
+    """One multimodal item (an image) of a prompt.
+
+    Its placeholder tokens are ``prompt[offset:offset + length]``; the encoder
+    produces exactly ``length`` embeddings for it. ``data`` is whatever the
+    worker needs to run the encoder (pixel values, grid); core never looks at it.
+    """
+
+    mm_hash: str
+    offset: int
+    length: int
+    data: Any = None
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length <= 0:
+            raise ValueError(f"mm feature {self.mm_hash}: offset must be >= 0 and "
+                             f"length >= 1, got offset={self.offset} length={self.length}")
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
+        "arrival_time", "mm_features", "cache_salt", "lora_id", "status",
+        "num_computed_tokens", "output_token_ids", "all_token_ids", "spec_token_ids",
+        "num_cached_tokens", "num_preemptions", "block_hashes", "num_output_placeholders",
+        "stop_reason", "max_tokens", "num_prompt_tokens", "structured_request",
+        "first_scheduled_time", "__weakref__")
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: list[int] = []
+        # prompt + output, kept in one list so block hashing and resumption
+        # never concatenate.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.spec_token_ids: list[int] = []
+        # -1 until the request is first admitted.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Hashes of the full blocks of all_token_ids, extended incrementally.
+        self.block_hashes: list[bytes] = []
+        # Async scheduling: tokens the worker is producing that we have not seen.
+        self.num_output_placeholders = 0
+        self.stop_reason: int | str | None = None
+        self.max_tokens = sampling_params.max_tokens
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        # Set by the structured-output manager for constrained requests.
+        self.structured_request: Any = None
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def get_finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
