@@ -38,15 +38,22 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int = 1024
+    # Set explicitly (CPU, tests) or left None for the worker to size the KV
+    # cache from memory (kv_cache_memory_bytes, or GPU free memory).
+    num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     # "sha256" (default, collision resistant) or "xxhash" (faster, opt-in).
     hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks < 2:
+        if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.hash_algo not in ("sha256", "xxhash"):
             raise ValueError(f"hash_algo must be 'sha256' or 'xxhash', got {self.hash_algo!r}")
