@@ -1,0 +1,120 @@
+"""Tiny, randomly initialised checkpoints built locally (tests, demos, benchmarks).
+
+Everything here is deterministic and offline: a byte-level BPE tokenizer is
+trained on a small built-in corpus with the Qwen special tokens, and a tiny
+Qwen3 is random-initialised from a fixed seed and saved with
+``save_pretrained`` so it is loaded through the real loading code.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+
+# Qwen-style ChatML. A content may be a string or a list of parts; an image part
+# becomes one <|image_pad|> that the multimodal processor later expands to the
+# image's number of embeddings.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Language models predict the next token from the tokens before it. Attention lets every position look
+at the positions that came earlier; a key-value cache keeps what was computed so it is not repeated.
+The scheduler hands out a budget of tokens each step: prompts are split into chunks, and requests that
+are decoding get one token each. When memory runs short, a request is preempted and recomputed later.
+Paged attention stores keys and values in fixed-size blocks, and a block table maps a sequence to them.
+Prefix caching finds blocks by the hash of their tokens so shared system prompts are computed once.
+def fibonacci(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+{"name": "tokenbudget", "version": 1, "tags": ["serving", "inference"], "ok": true, "value": null}
+SELECT id, name FROM users WHERE age >= 18 ORDER BY name LIMIT 10;
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 3.14159 -7 1e-5
+Hello! How are you today? I am fine, thank you. What is the capital of France? Paris is.
+Describe the image. The picture shows a cat sitting on a red chair next to a window at sunset.
+Unicode: café naïve résumé Straße 東京 こんにちは 你好 世界 🙂 🚀 ✓ — “quotes” ‘single’
+User: write a haiku about the sea. Assistant: waves fold into foam / the tide keeps its patient time
+/ salt on the cold wind.
+"""
+
+
+def _training_lines() -> list[str]:
+    """The corpus plus seeded pseudo-words, so the BPE learns ~1k merges."""
+    import random
+
+    rng = random.Random(0)
+    syllables = ["ka", "to", "ri", "en", "mo", "sha", "lu", "pe", "qui", "dro", "an", "ist",
+                 "ver", "ble", "tion", "ing", "ou", "ze", "ph", "gra"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(600)]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)]
+    return _CORPUS.splitlines() * 4 + lines
+
+
+def build_tokenizer(path: str | os.PathLike, *, vocab_size: int = 1200):
+    """Train a byte-level BPE with the Qwen special tokens and save it into ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_training_lines(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def padded_vocab_size(num_tokens: int, multiple: int = 64) -> int:
+    return -(-num_tokens // multiple) * multiple
+
+
+def build_tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, **overrides) -> str:
+    """Save a random-init tiny Qwen3ForCausalLM (float32) and its tokenizer into ``path``."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer(path)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    settings = dict(
+        vocab_size=padded_vocab_size(len(tokenizer)), hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=eos_id,
+        pad_token_id=pad_id, bos_token_id=None)
+    settings.update(overrides)
+    config = Qwen3Config(**settings)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(str(path))
+    return str(path)
