@@ -81,6 +81,8 @@ class ModelRunnerOutput:
     # the sampled token and the top-n; None where not asked for.
     logprobs: list[list[dict[int, float]] | None] | None = None
     pooler_output: list[Any] | None = None
+    # Per request (same index): draft tokens proposed for the next step.
+    spec_token_ids: list[list[int]] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -1,0 +1,149 @@
+"""EngineCore: schedule -> execute -> update, synchronously or overlapped.
+
+With async (overlap) scheduling, step N+1 is scheduled while step N runs on
+the worker: every request that will sample in step N carries one output
+placeholder, and the worker feeds its own last sampled token as the next
+input. Both loops produce the same tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from typing import Protocol
+
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from tokenbudget.core.request import Request, RequestStatus
+from tokenbudget.core.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+        """Load the model and allocate the KV cache; return the number of blocks."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 executor: Executor, structured_output_manager=None) -> None:
+        num_blocks = executor.initialize(cache_config, scheduler_config)
+        if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
+            cache_config.num_blocks = num_blocks
+        self.executor = executor
+        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager)
+        self.async_scheduling = scheduler_config.async_scheduling
+        # Steps sent to the executor whose outputs have not been applied.
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs that became known."""
+        if self.async_scheduling:
+            return self._step_async()
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            if _has_notices(so):
+                self.executor.execute_model(so).result()
+            return []
+        result = self.executor.execute_model(so).result()
+        return self.scheduler.update_from_output(so, result)
+
+    def _step_async(self) -> list[RequestOutput]:
+        scheduled = False
+        s = self.scheduler
+        if s.has_unfinished_requests() or s.finished_req_ids:
+            so = s.schedule()
+            scheduled = not so.is_empty
+            if scheduled or _has_notices(so):
+                self._in_flight.append((so, self.executor.execute_model(so)))
+        if not self._in_flight:
+            return []
+        if scheduled and len(self._in_flight) < 2:
+            # The step just sent runs while the next call schedules another.
+            return []
+        so, fut = self._in_flight.popleft()
+        return s.update_from_output(so, fut.result())
+
+    def shutdown(self) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 executor: Executor, structured_output_manager=None) -> None:
+        num_blocks = executor.initialize(cache_config, scheduler_config)
+        if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
+            cache_config.num_blocks = num_blocks
+        self.executor = executor
+        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager)
+        self.async_scheduling = scheduler_config.async_scheduling
+        # Steps sent to the executor whose outputs have not been applied.
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs that became known."""
+        if self.async_scheduling:
+            return self._step_async()
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            self._flush_finished(so)
+            return []
+        result = self.executor.execute_model(so).result()
+        return self.scheduler.update_from_output(so, result)
+
+    def _step_async(self) -> list[RequestOutput]:
+        # Keep at most two steps in flight: schedule N+1, then wait for N.
+        if self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if not so.is_empty:
+                self._in_flight.append((so, self.executor.execute_model(so)))
+            elif not self._in_flight:
+                self._flush_finished(so)
+        if not self._in_flight:
+            return []
+        if len(self._in_flight) < 2 and self._can_schedule_more():
+            # The step just sent runs while we schedule the next one.
+            return []
+        so, fut = self._in_flight.popleft()
+        return self.scheduler.update_from_output(so, fut.result())
+
+    def _can_schedule_more(self) -> bool:
+        s = self.scheduler
+        return any(r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+                   for r in s.running) or bool(s.waiting)
+
+    def _flush_finished(self, so: SchedulerOutput) -> None:
+        # Nothing to run, but workers must still hear about finished requests
+        # and evicted encoder outputs.
+        if so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids:
+            self.executor.execute_model(so).result()
+
+    def shutdown(self) -> None:
+        for _, fut in self._in_flight:
+            fut.cancel()
+        self._in_flight.clear()
+        self.executor.shutdown()
+
+
+def _has_notices(so: SchedulerOutput) -> bool:
+    """An empty step still tells workers what to drop."""
+    return bool(so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids)

@@ -1,0 +1,141 @@
+"""Per-request block tables on top of the block pool: prefix-cache lookup,
+all-or-nothing slot allocation, caching of newly full blocks, freeing."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenbudget.core.kv.block_pool import BlockPool, KVCacheBlock
+from tokenbudget.core.kv.hashing import BlockHasher
+
+if TYPE_CHECKING:
+    from tokenbudget.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
+                 hash_algo: str = "sha256") -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.hasher = BlockHasher(block_size, hash_algo)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request already registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- lookup -----------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of ``request`` in whole blocks."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.hasher.update(request)
+        # At most num_tokens - 1 tokens can be cache hits: the last prompt token
+        # must be recomputed to produce the logits of the first output token.
+        max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        hits: list[KVCacheBlock] = []
+        get = self.block_pool.cached.get
+        for h in hashes[:max_blocks]:
+            block = get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission, not per lookup: a request blocked at the
+        head of the queue is looked up every step."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def num_cached_prefix_blocks(self, request: Request) -> int:
+        """Leading blocks of ``request`` found in the cache, without touching
+        the hit statistics (used by cache-aware policies)."""
+        if not self.enable_caching:
+            return 0
+        n = 0
+        get = self.block_pool.cached.get
+        for h in self.hasher.update(request):
+            if get(h) is None:
+                break
+            n += 1
+        return n
+
+    # -- allocation --------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones
+        (plus prefix hits and lookahead slots). All or nothing: returns the new
+        block ids, or None when the pool is short and nothing changed."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = []
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = num_computed + num_new_tokens + num_lookahead_tokens
+        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
+        need = -(-total // self.block_size) - len(blocks) - num_hits
+        pool = self.block_pool
+        if need > 0 or num_hits:
+            # Hit blocks sitting in the free queue stop being free once touched.
+            revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hits else 0
+            if max(need, 0) + revived > pool.free_queue.num_free:
+                return None
+        if req_id not in self.req_to_blocks:
+            self.req_to_blocks[req_id] = blocks
+            self.num_cached_blocks[req_id] = 0
+        if num_hits:
+            pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[req_id] = len(blocks)
+        new_blocks = pool.get_new_blocks(need) if need > 0 else []
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Only tokens whose ids are known can be hashed: not drafts, not
+            # async placeholders.
+            self._cache_full_blocks(request, blocks,
+                                    min(num_computed + num_new_tokens, request.num_tokens))
+        return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                           num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        req_id = request.request_id
+        start = self.num_cached_blocks[req_id]
+        if num_full <= start:
+            return
+        hashes = self.hasher.update(request)
+        cache = self.block_pool.cache_block
+        for i in range(start, num_full):
+            cache(blocks[i], hashes[i])
+        self.num_cached_blocks[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            # Tail first: the end of a chain is evicted before its head, so a
+            # shared prefix outlives the suffixes hanging off it.
+            self.block_pool.free_blocks(reversed(blocks))
+
+    # -- queries -----------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_num_common_prefix_blocks(self, request: Request, num_running: int) -> int:
+        """Leading blocks shared by all ``num_running`` running requests (for
+        cascade attention): blocks referenced exactly once per running request."""
+        n = 0
+        for block in self.req_to_blocks.get(request.request_id, ()):
+            if block.ref_cnt != num_running:
+                break
+            n += 1
+        return n
+
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

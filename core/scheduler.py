@@ -1,0 +1,445 @@
+"""The phase-free token-budget scheduler.
+
+There is no prefill or decode phase. Every request has ``num_computed_tokens``
+and a target, ``num_tokens_with_spec`` (prompt + outputs + draft tokens); each
+step hands out at most ``max_num_batched_tokens`` tokens so requests catch up:
+running requests first, in order, then waiting ones in queue order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.encoder_cache import EncoderCacheManager
+from tokenbudget.core.kv import KVCacheManager
+from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                      RequestOutput, SchedulerOutput)
+from tokenbudget.core.queue import create_queue
+from tokenbudget.core.request import Request, RequestStatus
+from tokenbudget.core.stop import check_stop
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is already in the scheduler."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    encoder_cache_usage: float
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one schedule() call has handed out so far."""
+
+    token_budget: int
+    encoder_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    resumed: set[str] = field(default_factory=set)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 structured_output_manager=None) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size,
+            cache_config.enable_prefix_caching, cache_config.hash_algo)
+        self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self.structured_output_manager = structured_output_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Sent to workers in the next SchedulerOutput so they drop their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._priority_victims = scheduler_config.policy == "priority"
+
+    # -- requests in and out ------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        cfg = self.scheduler_config
+        if request.request_id in self.requests:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} already exists")
+        if request.num_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt has {request.num_tokens} tokens, more than "
+                             f"max_model_len={cfg.max_model_len}")
+        limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
+        for f in request.mm_features:
+            if f.length > limit:
+                raise ValueError(
+                    f"multimodal item {f.mm_hash} needs {f.length} encoder embeddings, more than "
+                    f"the encoder cache/budget allows ({limit}); use a smaller image or raise "
+                    "encoder_cache_size")
+            if f.offset + f.length > request.num_prompt_tokens:
+                raise ValueError(f"multimodal item {f.mm_hash} placeholder "
+                                 f"[{f.offset}, {f.offset + f.length}) lies outside the prompt")
+        if request.sampling_params.structured is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured output is not enabled on this engine")
+            self.structured_output_manager.add_request(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus) -> list[str]:
+        """Finish (abort) requests at once, freeing their blocks. Unknown or
+        already finished ids are skipped; returns the ids that were finished."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        assert RequestStatus.is_finished(finished_status)
+        done: list[Request] = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                done.append(req)
+        if not done:
+            return []
+        running = [r for r in done if r.status == RequestStatus.RUNNING]
+        if running:
+            gone = {id(r) for r in running}
+            self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting.remove_requests([r for r in done if r.status != RequestStatus.RUNNING])
+        for req in done:
+            self._free_request(req, finished_status)
+        return [r.request_id for r in done]
+
+    def _free_request(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache_manager.free(req)
+        if req.mm_features:
+            self.encoder_cache_manager.free(req)
+        if req.structured_request is not None and self.structured_output_manager is not None:
+            self.structured_output_manager.remove_request(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
+                              kv.prefix_queries, kv.prefix_hits, self.num_preemptions,
+                              self.encoder_cache_manager.usage())
+
+    # -- schedule -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.scheduler_config
+        step = _Step(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
+        self._schedule_running(step)
+        # A step that had to preempt is out of memory: admitting now would
+        # only preempt again next step.
+        if not step.preempted:
+            self._admit_waiting(step)
+        out = self._make_output(step)
+        self._update_after_schedule(step)
+        return out
+
+    def _schedule_running(self, step: _Step) -> None:
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        threshold = cfg.long_prefill_token_threshold
+        max_model_len = cfg.max_model_len
+        lookahead = cfg.num_speculative_tokens
+        running = self.running
+        num_scheduled = step.num_scheduled
+        i = 0
+        while i < len(running) and step.token_budget > 0:
+            req = running[i]
+            i += 1
+            if req.num_output_placeholders and \
+                    req.num_output_tokens + req.num_output_placeholders >= req.max_tokens:
+                continue  # async: its last token is already being produced
+            num_new = (req.num_tokens_with_spec + req.num_output_placeholders
+                       - req.num_computed_tokens)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > step.token_budget:
+                num_new = step.token_budget
+            if num_new > max_model_len - req.num_computed_tokens:
+                num_new = max_model_len - req.num_computed_tokens
+            encoder_inputs = None
+            if req.mm_features:
+                encoder_inputs, num_new = self._try_schedule_encoder_inputs(
+                    req, req.num_computed_tokens, num_new, step)
+            if num_new <= 0:
+                continue
+            while True:
+                new_ids = kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
+                if new_ids is not None:
+                    break
+                victim = self._pick_victim()
+                if self._preempt(victim, step) < i:
+                    i -= 1
+                if victim is req:
+                    break
+            if new_ids is None:
+                continue
+            num_scheduled[req.request_id] = num_new
+            step.token_budget -= num_new
+            step.cached_reqs.append(req)
+            step.new_block_ids[req.request_id] = new_ids
+            if req.spec_token_ids:
+                num_spec = req.num_computed_tokens + num_new - req.num_tokens
+                if num_spec > 0:
+                    step.spec_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+            if encoder_inputs:
+                self._commit_encoder_inputs(req, encoder_inputs, step)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        threshold = cfg.long_prefill_token_threshold
+        waiting = self.waiting
+        skipped: list[Request] = []
+        while waiting and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = waiting.peek()
+            if req.status == RequestStatus.WAITING_FOR_FSM:
+                if not self.structured_output_manager.is_ready(req):
+                    # Keep its place in the queue, let the others go.
+                    skipped.append(waiting.pop())
+                    continue
+                req.status = RequestStatus.WAITING
+            hits, num_cached = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > step.token_budget:
+                num_new = step.token_budget
+            encoder_inputs = None
+            if req.mm_features:
+                encoder_inputs, num_new = self._try_schedule_encoder_inputs(
+                    req, num_cached, num_new, step)
+                if num_new <= 0:
+                    break
+            new_ids = kv.allocate_slots(req, num_new, hits, num_cached,
+                                        cfg.num_speculative_tokens)
+            if new_ids is None:
+                break
+            waiting.pop()
+            kv.record_prefix_lookup(req.num_tokens, num_cached)
+            self.running.append(req)
+            if req.status == RequestStatus.PREEMPTED:
+                step.cached_reqs.append(req)
+                step.resumed.add(req.request_id)
+            else:
+                step.new_reqs.append(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            step.num_scheduled[req.request_id] = num_new
+            step.token_budget -= num_new
+            if encoder_inputs:
+                self._commit_encoder_inputs(req, encoder_inputs, step)
+        for req in reversed(skipped):
+            waiting.prepend(req)
+
+    # -- preemption -------------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        if self._priority_victims:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request, step: _Step) -> int:
+        """Send ``req`` back to the head of WAITING, recomputing from scratch
+        later. Returns the index it had in ``running``."""
+        index = self.running.index(req)
+        del self.running[index]
+        rid = req.request_id
+        if rid in step.num_scheduled:
+            # Priority victims can come from requests already scheduled this step.
+            step.token_budget += step.num_scheduled.pop(rid)
+            step.cached_reqs.remove(req)
+            step.new_block_ids.pop(rid, None)
+            step.spec_tokens.pop(rid, None)
+            for input_id in step.encoder_inputs.pop(rid, ()):
+                step.encoder_budget += req.mm_features[input_id].length
+        self.kv_cache_manager.free(req)
+        if req.mm_features:
+            self.encoder_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+        step.preempted.append(req)
+        return index
+
+    # -- encoder inputs -------------------------------------------------------------
+    def _try_schedule_encoder_inputs(self, req: Request, start: int, num_new: int,
+                                     step: _Step) -> tuple[list[int], int]:
+        """Encoder inputs to run for tokens [start, start + num_new), and the
+        possibly shortened token count.
+
+        An item is encoded in the step whose token range first overlaps its
+        placeholder. If the budget or the cache cannot take it, the chunk stops
+        just before the placeholder."""
+        end = start + num_new
+        ecm = self.encoder_cache_manager
+        to_schedule: list[int] = []
+        num_embeds = 0
+        for i, f in enumerate(req.mm_features):
+            if f.offset >= end:
+                break
+            if f.offset + f.length <= start:
+                continue  # its tokens are already computed
+            if ecm.check_and_update_cache(req, i):
+                continue
+            if not ecm.can_allocate(req, i, step.encoder_budget - num_embeds, num_embeds):
+                num_new = f.offset - start
+                break
+            to_schedule.append(i)
+            num_embeds += f.length
+        return to_schedule, num_new
+
+    def _commit_encoder_inputs(self, req: Request, input_ids: list[int], step: _Step) -> None:
+        ecm = self.encoder_cache_manager
+        for i in input_ids:
+            ecm.allocate(req, i)
+            step.encoder_budget -= req.mm_features[i].length
+        step.encoder_inputs[req.request_id] = input_ids
+
+    # -- output ------------------------------------------------------------------
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(r.request_id, r.prompt_token_ids, r.mm_features, r.sampling_params,
+                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id)
+            for r in step.new_reqs]
+        cached = CachedRequestData()
+        for r in step.cached_reqs:
+            rid = r.request_id
+            cached.req_ids.append(rid)
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            if rid in step.resumed:
+                cached.new_block_ids.append(kv.get_block_ids(rid))
+                cached.resumed_token_ids[rid] = list(r.all_token_ids)
+            else:
+                cached.new_block_ids.append(step.new_block_ids[rid])
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        num_common = 0
+        if self.running and self.cache_config.enable_prefix_caching:
+            num_common = kv.get_num_common_prefix_blocks(self.running[0], len(self.running))
+        grammar_bitmask, structured_ids = None, []
+        if self.structured_output_manager is not None:
+            grammar_bitmask, structured_ids = self.structured_output_manager.grammar_bitmask(
+                self.requests, step.num_scheduled, step.spec_tokens)
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens
+            - step.token_budget,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            scheduled_encoder_inputs=step.encoder_inputs,
+            num_common_prefix_blocks=num_common,
+            finished_req_ids=finished,
+            preempted_req_ids={r.request_id for r in step.preempted},
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            grammar_bitmask=grammar_bitmask,
+            structured_req_ids=structured_ids,
+        )
+
+    def _update_after_schedule(self, step: _Step) -> None:
+        requests = self.requests
+        placeholders = self.scheduler_config.async_scheduling
+        for rid, n in step.num_scheduled.items():
+            req = requests[rid]
+            req.num_computed_tokens += n
+            if placeholders and req.num_computed_tokens >= req.num_tokens:
+                # The worker will sample a token we have not seen yet.
+                req.num_output_placeholders += 1
+
+    # -- update ------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        requests = self.requests
+        index_of = model_runner_output.req_id_to_index
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        drafts = model_runner_output.spec_token_ids
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        som = self.structured_output_manager
+        max_model_len = self.scheduler_config.max_model_len
+        finished_running = False
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = requests.get(rid)
+            if req is None:
+                continue  # finished or aborted since it was scheduled
+            i = index_of.get(rid)
+            new = sampled[i] if i is not None else None
+            if req.mm_features:
+                self._free_computed_encoder_inputs(req)
+            if not new:
+                continue  # mid-prefill
+            if spec_scheduled:
+                scheduled = spec_scheduled.get(rid)
+                if scheduled:
+                    # Rejected drafts were computed but are not part of the sequence.
+                    req.num_computed_tokens -= len(scheduled) + 1 - len(new)
+            if req.num_output_placeholders:
+                req.num_output_placeholders = max(0, req.num_output_placeholders - len(new))
+            status, kept = check_stop(req, new, max_model_len)
+            if som is not None and req.structured_request is not None:
+                if som.accept_tokens(req, kept) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = "grammar"
+            lp = None
+            if logprobs is not None and logprobs[i] is not None:
+                lp = logprobs[i][:len(kept)]
+            if status is not None:
+                if req.status == RequestStatus.RUNNING:
+                    finished_running = True
+                else:  # async: preempted while its last token was in flight
+                    self.waiting.remove_requests([req])
+                self._free_request(req, status)
+            elif drafts is not None and drafts[i]:
+                req.spec_token_ids = self._fit_drafts(req, drafts[i])
+            outputs.append(RequestOutput(rid, kept, RequestStatus.finish_reason(status)
+                                         if status is not None else None,
+                                         lp, req.num_cached_tokens, req.stop_reason))
+        if finished_running:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _fit_drafts(self, req: Request, draft: list[int]) -> list[int]:
+        room = min(self.scheduler_config.max_model_len - req.num_tokens,
+                   req.max_tokens - req.num_output_tokens) - 1
+        return draft[:max(room, 0)]
+
+    def _free_computed_encoder_inputs(self, req: Request) -> None:
+        # A placeholder fully computed no longer needs the encoder output; the
+        # entry stays cached (freeable) for other requests with that image.
+        for i, f in enumerate(req.mm_features):
+            if f.offset + f.length <= req.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(req, i)
+            else:
+                break
