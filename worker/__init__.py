@@ -1,0 +1,1 @@
+"""tokenbudget.worker: model execution (torch)."""

@@ -1,0 +1,160 @@
+"""LLM: offline batch generation in one process, like ``vllm.LLM``."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.engine import EngineCore
+from tokenbudget.core.request import Request
+from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.server.input_processor import InputProcessor, Prompt
+
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    # Per generated token {token_id: logprob} (sampled + top-n), when asked for.
+    logprobs: list[dict[int, float]] | None = None
+
+
+def parse_memory_size(value: int | str | None) -> int | None:
+    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"2g"`` -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", str(value).lower())
+    if not m:
+        raise ValueError(f"kv_cache_memory must be a byte count or a size like '2GiB', got {value!r}")
+    number, unit, suffix = m.groups()
+    base = 1000 if suffix == "b" else 1024
+    return int(float(number) * base ** " kmgt".index(unit or " "))
+
+
+class LLM:
+    """``LLM(model, **engine_args)``; engine args mirror the CLI flags in snake case."""
+
+    def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, block_size: int = 16,
+                 num_gpu_blocks: int | None = None, kv_cache_memory: int | str | None = None,
+                 gpu_memory_utilization: float = 0.9, policy: str = "fcfs",
+                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                 attention_backend: str = "auto", async_scheduling: bool = False,
+                 seed: int = 0, trust_remote_code: bool = False) -> None:
+        import torch
+
+        from tokenbudget.worker.executor import InProcessExecutor
+        from tokenbudget.worker.worker import Worker
+
+        torch.manual_seed(seed)  # unseeded random sampling draws from the global stream
+        worker = Worker(model, dtype=dtype, device=device, attention_backend=attention_backend,
+                        trust_remote_code=trust_remote_code)
+        text_config = worker.model_runner.text_config
+        limit = getattr(text_config, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN
+        if max_model_len is None:
+            max_model_len = min(limit, _DEFAULT_MAX_MODEL_LEN)
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=policy, async_scheduling=async_scheduling)
+        self.cache_config = CacheConfig(
+            block_size=block_size, num_blocks=num_gpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=parse_memory_size(kv_cache_memory),
+            gpu_memory_utilization=gpu_memory_utilization)
+        self.input_processor = InputProcessor.from_pretrained(
+            model, vocab_size=worker.model_runner.vocab_size, trust_remote_code=trust_remote_code)
+        self.eos_token_ids = _eos_token_ids(worker.model_runner.model, self.input_processor)
+        self.executor = InProcessExecutor(worker, async_mode=async_scheduling)
+        self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.input_processor.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationResult]:
+        """One result per prompt, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for "
+                             f"{len(prompts)} prompts")
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        results = {r.request_id: GenerationResult(r.request_id, r.prompt_token_ids)
+                   for r in requests}
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+            self._run(results, use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(list(results))
+            raise
+        for r in results.values():
+            r.text = self.input_processor.decode(r.token_ids)
+        return [results[r.request_id] for r in requests]
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        token_ids, mm_features = self.input_processor.process(prompt)
+        eos, *more_eos = self.eos_token_ids or [None]
+        if more_eos and not params.ignore_eos:
+            # Request holds one EOS id; the checkpoint's others stop like stop tokens.
+            params = dataclasses.replace(
+                params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
+        return Request(f"llm-{next(self._ids)}", token_ids, params, eos_token_id=eos,
+                       mm_features=mm_features)
+
+    def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(results), desc="generate")
+        pending = len(results)
+        while pending and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(out.new_token_ids)
+                res.num_cached_tokens = max(out.num_cached_tokens, 0)
+                if out.logprobs is not None:
+                    res.logprobs = (res.logprobs or []) + list(out.logprobs)
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+                    pending -= 1
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _eos_token_ids(model, input_processor: InputProcessor) -> list[int]:
+    """EOS ids from the generation config (may be a list), else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = input_processor.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

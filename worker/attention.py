@@ -1,0 +1,234 @@
+"""Paged attention for stock transformers models.
+
+We register one function with transformers' ``AttentionInterface``; a model
+whose (text) config has ``_attn_implementation == PAGED_ATTENTION`` calls it in
+every decoder layer. The forward is one packed sequence (batch 1) holding the
+scheduled tokens of all requests. Per layer the function
+
+1. writes the new K/V into that layer's cache at ``slot_mapping``
+   (slot = block_id * block_size + offset), then
+2. attends, for each request, over its whole context (cached + new tokens)
+   read back from its blocks, causally.
+
+The per-step metadata travels as the ``paged_attn`` forward kwarg: transformers
+passes unknown ``**kwargs`` from the model forward down to attention functions.
+
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(K then V), the layout flash-attn's ``block_table`` argument reads directly.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+PAGED_ATTENTION = "tokenbudget_paged"
+BACKENDS = ("auto", "sdpa", "flash_attn")
+# Upstream flash-attn reads a paged cache only with pages of a multiple of 256
+# tokens; with smaller blocks we gather each request's KV into a packed tensor.
+_FLASH_PAGE_MULTIPLE = 256
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    # flash-attn kernels exist only for CUDA and half precision.
+    usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+              and flash_attn_available())
+    if name == "auto":
+        return "flash_attn" if usable else "sdpa"
+    if name == "flash_attn" and not usable:
+        raise ValueError("attention_backend='flash_attn' needs a CUDA device, dtype float16 or "
+                         "bfloat16 and the flash-attn package (pip install tokenbudget[gpu]); "
+                         "use 'sdpa' or 'auto'")
+    return name
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    # Zeros, not empty: padded reads of unused slots are masked out, but a NaN
+    # there would still poison the softmax (0 * NaN).
+    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                        device=device) for _ in range(num_layers)]
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Requests with one query token, attended in one padded SDPA call."""
+
+    query_idx: torch.Tensor   # [Bd] token index in the packed sequence
+    kv_slots: torch.Tensor    # [Bd, Lmax] cache slots, padding points at slot 0
+    kv_mask: torch.Tensor     # [Bd, 1, 1, Lmax] True where a key is real
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """A request with several query tokens (a prompt chunk or spec-decode verify)."""
+
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor    # [L] cache slots of the whole context
+    mask: torch.Tensor | None  # [q, L] causal mask, None when q == L (plain is_causal)
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata:
+    """Everything one step's attention needs, built once and shared by all layers."""
+
+    backend: str
+    kv_caches: list[torch.Tensor]
+    block_size: int
+    slot_mapping: torch.Tensor      # [T] long
+    query_start_loc: torch.Tensor   # [B+1] int32 (cu_seqlens_q)
+    seq_start_loc: torch.Tensor     # [B+1] int32 (cu_seqlens_k)
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    # sdpa: the batch split into decodes (one padded call) and longer queries.
+    decode: DecodeGroup | None = None
+    prefills: tuple[PrefillSeq, ...] = ()
+    # flash_attn with small blocks: every request's context slots, packed.
+    packed_kv_slots: torch.Tensor | None = None
+
+
+def build_metadata(backend: str, kv_caches: list[torch.Tensor], block_size: int,
+                   query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                   slot_mapping: np.ndarray, device: torch.device) -> PagedAttentionMetadata:
+    """Host-side, vectorised: ``block_tables`` holds one row per scheduled request."""
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start[1:])
+    seq_start = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+    np.cumsum(seq_lens, out=seq_start[1:])
+    to_dev = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt,
+                                                                         non_blocking=True)
+    meta = PagedAttentionMetadata(
+        backend=backend, kv_caches=kv_caches, block_size=block_size,
+        slot_mapping=to_dev(slot_mapping, torch.long),
+        query_start_loc=to_dev(query_start, torch.int32),
+        seq_start_loc=to_dev(seq_start, torch.int32),
+        block_tables=to_dev(block_tables, torch.int32),
+        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+    if backend == "flash_attn":
+        if block_size % _FLASH_PAGE_MULTIPLE:
+            meta.packed_kv_slots = to_dev(_context_slots(block_tables, seq_lens, block_size),
+                                          torch.long)
+        return meta
+    is_decode = query_lens == 1
+    if is_decode.any():
+        meta.decode = _decode_group(query_start[:-1][is_decode], seq_lens[is_decode],
+                                    block_tables[is_decode], block_size, to_dev)
+    prefills = []
+    for i in np.flatnonzero(~is_decode):
+        q, L = int(query_lens[i]), int(seq_lens[i])
+        slots = _context_slots(block_tables[i:i + 1], seq_lens[i:i + 1], block_size)
+        mask = None
+        if q != L:
+            # Query j sits at absolute position L - q + j and sees keys 0..L-q+j.
+            mask = torch.ones(q, L, dtype=torch.bool, device=device).tril(L - q)
+        prefills.append(PrefillSeq(int(query_start[i]), int(query_start[i + 1]),
+                                   to_dev(slots, torch.long), mask))
+    meta.prefills = tuple(prefills)
+    return meta
+
+
+def _context_slots(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slots of positions 0..seq_len-1 of each row, concatenated."""
+    req = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    starts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
+    pos = np.arange(int(seq_lens.sum())) - starts
+    return block_tables[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
+def _decode_group(query_idx: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                  block_size: int, to_dev) -> DecodeGroup:
+    max_len = int(seq_lens.max())
+    pos = np.arange(max_len)
+    valid = pos[None, :] < seq_lens[:, None]
+    blocks = block_tables[:, pos // block_size].astype(np.int64)
+    slots = np.where(valid, blocks * block_size + pos % block_size, 0)
+    return DecodeGroup(to_dev(query_idx, torch.long), to_dev(slots, torch.long),
+                       to_dev(valid[:, None, None, :], torch.bool))
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            paged_attn: PagedAttentionMetadata | None = None, **kwargs):
+    """The AttentionInterface entry point: query [1, H, T, D], key/value [1, Hkv, T, D]."""
+    if paged_attn is None:
+        raise RuntimeError(f"{PAGED_ATTENTION} attention needs the 'paged_attn' forward kwarg; "
+                           "run this model through tokenbudget's ModelRunner")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("sliding-window attention is not supported by the paged backend")
+    meta = paged_attn
+    q = query[0].transpose(0, 1)          # [T, H, D]
+    k = key[0].transpose(0, 1)            # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    cache = meta.kv_caches[module.layer_idx]
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape[1:]
+    flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
+    flat[1].index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+    if meta.backend == "flash_attn":
+        out = _flash_attention(q, cache, flat, meta, scaling)
+    else:
+        out = _sdpa_attention(q, flat[0], flat[1], meta, scaling)
+    return out.unsqueeze(0), None
+
+
+def _sdpa_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                    meta: PagedAttentionMetadata, scale: float | None) -> torch.Tensor:
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        d = meta.decode
+        qd = q.index_select(0, d.query_idx).unsqueeze(2)        # [Bd, H, 1, D]
+        kd = k_flat[d.kv_slots].transpose(1, 2)                 # [Bd, Hkv, L, D]
+        vd = v_flat[d.kv_slots].transpose(1, 2)
+        res = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.kv_mask, scale=scale,
+                                             enable_gqa=True)
+        out.index_copy_(0, d.query_idx, res.squeeze(2))
+    for p in meta.prefills:
+        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
+        kp = k_flat[p.kv_slots].transpose(0, 1).unsqueeze(0)     # [1, Hkv, L, D]
+        vp = v_flat[p.kv_slots].transpose(0, 1).unsqueeze(0)
+        res = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale,
+                                             is_causal=p.mask is None, enable_gqa=True)
+        out[p.q_start:p.q_end] = res[0].transpose(0, 1)
+    return out
+
+
+def _flash_attention(q: torch.Tensor, cache: torch.Tensor, flat: torch.Tensor,
+                     meta: PagedAttentionMetadata, scale: float | None) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    common = dict(cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.seq_start_loc,
+                  max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
+                  softmax_scale=scale, causal=True)
+    # flash-attn's causal mask is aligned bottom-right (the last query sees the
+    # last key), which is exactly a chunk continuing its cached context.
+    if meta.packed_kv_slots is None:
+        return flash_attn_varlen_func(q, cache[0], cache[1], block_table=meta.block_tables,
+                                      **common)
+    k = flat[0].index_select(0, meta.packed_kv_slots)
+    v = flat[1].index_select(0, meta.packed_kv_slots)
+    return flash_attn_varlen_func(q, k, v, **common)
+
+
+def register_paged_attention() -> None:
+    """Idempotent: make PAGED_ATTENTION a valid transformers attn_implementation."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)

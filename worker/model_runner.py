@@ -1,0 +1,327 @@
+"""ModelRunner: SchedulerOutput in, sampled token ids out.
+
+One step = update the persistent batch from the scheduler's deltas, build the
+packed inputs (vectorised over the batch), run one forward over every
+scheduled token, sample on the device at each request whose known tokens are
+all computed after this step, and append those tokens to the worker's own
+copy of the sequence. The next decode input always comes from that copy, so
+step N+1 may be scheduled before the scheduler saw step N's token (async
+scheduling); steps must simply execute in order.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
+                                          kv_cache_bytes_per_block, resolve_backend)
+from tokenbudget.worker.input_batch import InputBatch, RequestState
+from tokenbudget.worker.loader import load_model
+from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
+                                        make_generator)
+
+# KV cache size on CPU when neither num_blocks nor kv_cache_memory_bytes is set.
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class _Step:
+    """Host-side inputs of one step, in scheduled order."""
+
+    req_ids: list[str]
+    rows: np.ndarray          # [B] batch rows
+    query_lens: np.ndarray    # [B]
+    starts: np.ndarray        # [B] num_computed_tokens
+    num_drafts: np.ndarray    # [B]
+    positions: np.ndarray     # [T]
+    input_ids: np.ndarray     # [T]
+    samples: np.ndarray       # [B] bool: this request samples this step
+
+
+class ModelRunner:
+    def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "cpu", attention_backend: str = "auto",
+                 trust_remote_code: bool = False) -> None:
+        self.device = torch.device(device)
+        self.model = load_model(model, dtype=dtype, device=self.device,
+                                trust_remote_code=trust_remote_code)
+        self.dtype = next(self.model.parameters()).dtype
+        self.text_config = self.model.config.get_text_config()
+        self.attention_backend = resolve_backend(attention_backend, self.device, self.dtype)
+        self.vision = None
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.batch: InputBatch | None = None
+        self.block_size = 0
+        # Seconds spent per phase, for benchmarks (reset freely).
+        self.timings: dict[str, float] = defaultdict(float)
+
+    # -- setup ------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    def _bytes_per_block(self, block_size: int) -> int:
+        c = self.text_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self._kv_shape = (c.num_hidden_layers, c.num_key_value_heads, head_dim)
+        return kv_cache_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads,
+                                        head_dim, self.dtype)
+
+    def initialize_kv_cache(self, cache_config: CacheConfig,
+                            scheduler_config: SchedulerConfig) -> int:
+        """Size and allocate the KV cache; returns num_blocks (block 0 included)."""
+        bs = cache_config.block_size
+        per_block = self._bytes_per_block(bs)
+        blocks_per_req = -(-(scheduler_config.max_model_len + scheduler_config.num_speculative_tokens
+                             + 1) // bs)
+        num_blocks = cache_config.num_blocks
+        if num_blocks is None:
+            if cache_config.kv_cache_memory_bytes is not None:
+                budget = cache_config.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                budget = self._profile_free_memory(cache_config, scheduler_config)
+            else:
+                # Never more than every sequence at full length needs.
+                budget = min(_DEFAULT_CPU_KV_BYTES,
+                             (scheduler_config.max_num_seqs * blocks_per_req + 1) * per_block)
+            num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes "
+                             "(need at least 2); raise kv_cache_memory or num_gpu_blocks")
+        num_layers, num_kv_heads, head_dim = self._kv_shape
+        self.block_size = bs
+        self.kv_caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
+                                            self.dtype, self.device)
+        self.batch = InputBatch(scheduler_config.max_num_seqs,
+                                scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
+                                blocks_per_req)
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_free_memory(self, cache_config: CacheConfig,
+                             scheduler_config: SchedulerConfig) -> int:
+        """GPU bytes left for KV after a forward of a full token budget."""
+        n = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
+        bs = cache_config.block_size
+        num_blocks = -(-n // bs) + 1
+        num_layers, num_kv_heads, head_dim = self._kv_shape
+        caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
+                                    self.dtype, self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        table = np.arange(1, num_blocks, dtype=np.int32)[None]
+        pos = np.arange(n)
+        meta = build_metadata(self.attention_backend, caches, bs, np.array([n]), np.array([n]),
+                              table, table[0, pos // bs].astype(np.int64) * bs + pos % bs,
+                              self.device)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, position_ids=torch.from_numpy(pos)[None].to(self.device),
+                   paged_attn=meta, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, meta
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        return max(int(total * cache_config.gpu_memory_utilization) - peak, 0)
+
+    # -- state ------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None and state.row is not None:
+                batch.remove(state.row)
+        for rid in so.preempted_req_ids:
+            # Keep the state: a resumed request continues its seeded stream.
+            state = self.requests.get(rid)
+            if state is not None and state.row is not None:
+                batch.remove(state.row)
+                state.row = None
+        if self.vision is not None:
+            self.vision.free(so.free_encoder_mm_hashes)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None if params.seed is None else make_generator(params.seed, self.device)
+            state = RequestState(new.req_id, len(new.prompt_token_ids), params, generator,
+                                 list(new.mm_features))
+            if self.vision is not None:
+                self.vision.init_positions(state, new.prompt_token_ids)
+            state.row = batch.add(new.prompt_token_ids, new.block_ids)
+            self.requests[new.req_id] = state
+        cached = so.scheduled_cached_reqs
+        for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            state = self.requests[rid]
+            resumed = cached.resumed_token_ids.get(rid)
+            if resumed is not None:
+                # Its KV is gone; the scheduler's tokens and table replace ours.
+                if state.row is not None:
+                    batch.remove(state.row)
+                state.row = batch.add(resumed, block_ids)
+            else:
+                batch.append_blocks(state.row, block_ids)
+
+    # -- step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        step = self._prepare(so)
+        meta = self._attention_metadata(step)
+        logits_idx = self._logits_indices(step)
+        t1 = time.perf_counter()
+        logits = self._forward(so, step, meta, logits_idx)
+        t2 = time.perf_counter()
+        sampled_rows, ids, lps = self._sample(so, step, logits)
+        t3 = time.perf_counter()
+        out = self._make_output(so, step, sampled_rows, ids, lps)
+        t4 = time.perf_counter()
+        self.timings["prep"] += t1 - t0
+        self.timings["forward"] += t2 - t1
+        self.timings["sample"] += t3 - t2
+        self.timings["output"] += t4 - t3
+        return out
+
+    def _prepare(self, so: SchedulerOutput) -> _Step:
+        batch = self.batch
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
+        query_lens = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        # New requests carry num_computed_tokens in NewRequestData, cached ones in the deltas.
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        c = so.scheduled_cached_reqs
+        computed.update(zip(c.req_ids, c.num_computed_tokens))
+        starts = np.fromiter((computed[r] for r in req_ids), np.int64, len(req_ids))
+        num_drafts = np.zeros(len(req_ids), np.int64)
+        for i, rid in enumerate(req_ids):
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # Drafts sit after the known tokens as inputs only; verified
+                # tokens overwrite them when appended.
+                row, n = rows[i], batch.num_tokens[rows[i]]
+                batch.token_ids[row, n:n + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
+        ends = starts + query_lens
+        known = batch.num_tokens[rows] + num_drafts
+        if (ends > known).any():
+            bad = req_ids[int(np.argmax(ends > known))]
+            raise RuntimeError(f"request {bad}: scheduled past the tokens the worker knows; "
+                               "steps must execute in the order they were scheduled")
+        offsets = np.repeat(starts - (np.cumsum(query_lens) - query_lens), query_lens)
+        positions = np.arange(int(query_lens.sum())) + offsets
+        input_ids = batch.token_ids[np.repeat(rows, query_lens), positions]
+        return _Step(req_ids, rows, query_lens, starts, num_drafts, positions, input_ids,
+                     samples=ends >= known)
+
+    def _attention_metadata(self, step: _Step):
+        batch, bs = self.batch, self.block_size
+        seq_lens = step.starts + step.query_lens
+        rows_rep = np.repeat(step.rows, step.query_lens)
+        slot_mapping = (batch.block_table[rows_rep, step.positions // bs].astype(np.int64) * bs
+                        + step.positions % bs)
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        return build_metadata(self.attention_backend, self.kv_caches, bs, step.query_lens,
+                              seq_lens, batch.block_table[step.rows, :max_blocks], slot_mapping,
+                              self.device)
+
+    @staticmethod
+    def _logits_indices(step: _Step) -> np.ndarray:
+        """Packed-sequence indices whose logits are needed: the last 1 + drafts
+        tokens of each sampling request, in scheduled order."""
+        ends = np.cumsum(step.query_lens)[step.samples]
+        counts = step.num_drafts[step.samples] + 1
+        return np.repeat(ends - counts, counts) + (
+            np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+
+    def _forward(self, so: SchedulerOutput, step: _Step, meta, logits_idx: np.ndarray):
+        dev = self.device
+        input_ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+        keep = torch.from_numpy(logits_idx).to(dev, non_blocking=True)
+        if self.vision is not None:
+            return self.vision.forward(so, step, self.requests, input_ids, meta, keep)
+        positions = torch.from_numpy(step.positions).to(dev, non_blocking=True)
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], paged_attn=meta,
+                         use_cache=False, logits_to_keep=keep)
+        return out.logits[0]
+
+    def _sample(self, so: SchedulerOutput, step: _Step, logits: torch.Tensor):
+        """Returns (request index per logits row, token ids, logprob (ids, values) or None)."""
+        samplers = np.flatnonzero(step.samples)
+        row_req = np.repeat(samplers, step.num_drafts[samplers] + 1)
+        if len(row_req) == 0:
+            return row_req, [], None
+        states = [self.requests[step.req_ids[i]] for i in row_req]
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(so, step, row_req, logits)
+        metadata = SamplingMetadata.from_params([s.sampling_params for s in states],
+                                                [s.generator for s in states], self.device)
+        result = self.sampler(logits.float(), metadata)
+        ids = result.sampled_token_ids.tolist()
+        lps = None
+        if result.logprobs is not None:
+            lps = (result.logprobs_token_ids.tolist(), result.logprobs.tolist())
+        return row_req, ids, lps
+
+    def _apply_grammar(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray,
+                       logits: torch.Tensor) -> None:
+        """Bitmask rows come per structured request (1 + drafts rows each, in
+        structured_req_ids order); map them onto our logits rows."""
+        first_row = {}
+        for j, i in enumerate(row_req):
+            first_row.setdefault(step.req_ids[i], j)
+        index_of = {rid: i for i, rid in enumerate(step.req_ids)}
+        src, dst, k = [], [], 0
+        for rid in so.structured_req_ids:
+            n = int(step.num_drafts[index_of[rid]]) + 1 if rid in index_of else 1
+            if rid in first_row:
+                src.extend(range(k, k + n))
+                dst.extend(range(first_row[rid], first_row[rid] + n))
+            k += n
+        if dst:
+            bitmask = torch.from_numpy(np.asarray(so.grammar_bitmask)[src])
+            dst_t = torch.tensor(dst, device=logits.device)
+            rows = logits.index_select(0, dst_t)
+            apply_token_bitmask(rows, bitmask)
+            logits.index_copy_(0, dst_t, rows)
+
+    def _make_output(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray, ids: list[int],
+                     lps) -> ModelRunnerOutput:
+        batch = self.batch
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: list | None = None
+        if lps is not None:
+            logprobs = [None] * len(step.req_ids)
+        j = 0
+        while j < len(row_req):
+            i = int(row_req[j])
+            n = int(step.num_drafts[i]) + 1
+            tokens = ids[j:j + n]
+            if n > 1:
+                # Sample-and-match verification: each row's token is a draw from
+                # the target model given the drafts before it, so keeping drafts
+                # while they equal those draws (plus the first differing draw)
+                # is exact for greedy and random sampling alike.
+                drafts = so.scheduled_spec_decode_tokens[step.req_ids[i]]
+                accepted = 0
+                while accepted < n - 1 and drafts[accepted] == tokens[accepted]:
+                    accepted += 1
+                tokens = tokens[:accepted + 1]
+            sampled[i] = tokens
+            batch.append_tokens(int(step.rows[i]), tokens)
+            state = self.requests[step.req_ids[i]]
+            if lps is not None and state.sampling_params.logprobs is not None:
+                width = state.sampling_params.logprobs + 1
+                logprobs[i] = [dict(zip(lps[0][j + t][:width], lps[1][j + t][:width]))
+                               for t in range(len(tokens))]
+            j += n
+        return ModelRunnerOutput(step.req_ids, {r: i for i, r in enumerate(step.req_ids)},
+                                 sampled, logprobs)

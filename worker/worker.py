@@ -1,0 +1,40 @@
+"""Worker: one model replica with its KV cache, driven step by step."""
+from __future__ import annotations
+
+import torch
+
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.worker.model_runner import ModelRunner
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Worker:
+    """Loads the model at construction; ``initialize`` allocates the KV cache."""
+
+    def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device | None = None, attention_backend: str = "auto",
+                 trust_remote_code: bool = False) -> None:
+        self.model_name = model
+        self.model_runner = ModelRunner(model, dtype=dtype, device=device or default_device(),
+                                        attention_backend=attention_backend,
+                                        trust_remote_code=trust_remote_code)
+
+    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+        """Allocate the KV cache; returns the number of blocks (block 0 included)."""
+        return self.model_runner.initialize_kv_cache(cache_config, scheduler_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        # Drop the cache and weights now rather than at garbage collection, so a
+        # following engine in the same process gets the memory back.
+        runner = self.model_runner
+        runner.kv_caches = []
+        runner.requests.clear()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
