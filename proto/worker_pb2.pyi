@@ -1,0 +1,223 @@
+from tokenbudget.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CacheConfig(_message.Message):
+    __slots__ = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "hash_algo")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+    hash_algo: str
+    def __init__(self, block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., hash_algo: _Optional[str] = ...) -> None: ...
+
+class SchedulerConfig(_message.Message):
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold", "policy", "encoder_compute_budget", "encoder_cache_size", "num_speculative_tokens", "async_scheduling")
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_COMPUTE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    long_prefill_token_threshold: int
+    policy: str
+    encoder_compute_budget: int
+    encoder_cache_size: int
+    num_speculative_tokens: int
+    async_scheduling: bool
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., policy: _Optional[str] = ..., encoder_compute_budget: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., async_scheduling: _Optional[bool] = ...) -> None: ...
+
+class InitializeRequest(_message.Message):
+    __slots__ = ("model", "dtype", "device", "attention_backend", "cache_config", "scheduler_config")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    device: str
+    attention_backend: str
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ...) -> None: ...
+
+class InitializeResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class MultiModalFeature(_message.Message):
+    __slots__ = ("mm_hash", "offset", "length", "data")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    offset: int
+    length: int
+    data: _common_pb2.Value
+    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[_Union[_common_pb2.Value, _Mapping]] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("req_id", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    mm_features: _containers.RepeatedCompositeFieldContainer[MultiModalFeature]
+    sampling_params: _common_pb2.SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    lora_id: int
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
+
+class RaggedIds(_message.Message):
+    __slots__ = ("counts", "flat")
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FLAT_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    flat: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., flat: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CachedRequests(_message.Message):
+    __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "resumed_token_ids")
+    class ResumedTokenIdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.TokenIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    new_block_ids: RaggedIds
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    resumed_token_ids: _containers.MessageMap[str, _common_pb2.TokenIds]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., new_block_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., resumed_token_ids: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ...) -> None: ...
+
+class SchedulerOutput(_message.Message):
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_req_ids", "preempted_req_ids", "free_encoder_mm_hashes", "grammar_bitmask", "structured_req_ids")
+    class ScheduledSpecDecodeTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.TokenIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+    class ScheduledEncoderInputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.TokenIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_SPEC_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_ENCODER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMON_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_ENCODER_MM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    scheduled_cached_reqs: CachedRequests
+    scheduled_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: _containers.MessageMap[str, _common_pb2.TokenIds]
+    scheduled_encoder_inputs: _containers.MessageMap[str, _common_pb2.TokenIds]
+    num_common_prefix_blocks: int
+    finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    free_encoder_mm_hashes: _containers.RepeatedScalarFieldContainer[str]
+    grammar_bitmask: _common_pb2.Tensor
+    structured_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestLogprobs(_message.Message):
+    __slots__ = ("present", "tokens")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, present: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class ModelRunnerOutput(_message.Message):
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_POOLER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    POOLER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    HAS_SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_token_ids: RaggedIds
+    has_logprobs: bool
+    logprobs: _containers.RepeatedCompositeFieldContainer[RequestLogprobs]
+    has_pooler_output: bool
+    pooler_output: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
+    has_spec_token_ids: bool
+    spec_token_ids: RaggedIds
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("healthy", "detail")
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    healthy: bool
+    detail: str
+    def __init__(self, healthy: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
