@@ -69,7 +69,10 @@ class MultiModalProcessor:
         prev = 0
         for pos, (name, image) in zip(placeholders, images):
             pil, mm_hash = _load_image(name, image)
-            data = self.image_processor(images=[pil], return_tensors="pt")
+            try:
+                data = self.image_processor(images=[pil], return_tensors="pt")
+            except ValueError as e:  # e.g. an aspect ratio the resizer refuses
+                raise ValueError(f"{name}: {e}") from None
             grid = data["image_grid_thw"]
             length = int(grid.prod()) // self.merge_size**2
             out.extend(token_ids[prev:pos])
@@ -114,6 +117,6 @@ def _load_image(name: str, image: Any):
     try:
         pil = Image.open(io.BytesIO(raw))
         pil.load()  # decode now: open() only reads the header
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
         raise ValueError(f"{name}: cannot decode image bytes ({e})") from None
     return pil, hashlib.sha256(raw).hexdigest()

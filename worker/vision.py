@@ -57,10 +57,18 @@ Prompt tokens take the columns of ``get_mrope_positions``; a token at index
 its first row only feeds mask creation and ``position_ids`` passed to the
 attention function, which a paged attention backend does not need.
 
-Gotcha: the vision tower's attention also goes through
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``; a custom paged
-attention must be set on the text config only (e.g.
-``attn_implementation={"text_config": "ours", "vision_config": "sdpa"}``).
+Gotchas:
+- The vision tower's attention also goes through
+  ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``; a custom paged
+  attention must be set on the text config only:
+  ``from_pretrained(path, attn_implementation={"text_config": "ours",
+  "vision_config": "sdpa"})`` (checked: the vision blocks then stay on sdpa).
+- ``get_rope_index`` groups consecutive placeholder tokens, so two images with
+  no token between them would be read as one; the chat template always puts
+  ``<|vision_end|><|vision_start|>`` between images.
+- The stock ``forward``/``generate`` need ``mm_token_type_ids`` (see
+  ``mm_token_type_ids()``) with image inputs, else they use 1-D positions
+  (Qwen2.5-VL) or raise (Qwen3-VL).
 """
 from __future__ import annotations
 

@@ -92,6 +92,11 @@ def test_truncated_image_bytes_are_rejected(vl, images, make_chat):
         vl.processor.process_messages(make_chat(images[0][:200]))
 
 
+def test_unprocessable_image_names_the_field(vl, make_png, make_chat):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]\.image: .*aspect ratio"):
+        vl.processor.process_messages(make_chat("thin", make_png(2, 500, seed=3)))
+
+
 def test_non_image_value_names_the_field(vl, make_chat):
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]\.image: expected"):
         vl.processor.process_messages(make_chat("a", 42))
