@@ -312,6 +312,8 @@ class Scheduler:
                 continue  # its tokens are already computed
             if ecm.check_and_update_cache(req, i):
                 continue
+            if any(req.mm_features[j].mm_hash == f.mm_hash for j in to_schedule):
+                continue  # the same image twice in this chunk: one encoder run serves both
             if not ecm.can_allocate(req, i, step.encoder_budget - num_embeds, num_embeds):
                 num_new = f.offset - start
                 break
@@ -438,8 +440,11 @@ class Scheduler:
     def _free_computed_encoder_inputs(self, req: Request) -> None:
         # A placeholder fully computed no longer needs the encoder output; the
         # entry stays cached (freeable) for other requests with that image.
+        # An image repeated later in the prompt keeps its entry until then.
+        computed = req.num_computed_tokens
+        pending = {f.mm_hash for f in req.mm_features if f.offset + f.length > computed}
         for i, f in enumerate(req.mm_features):
-            if f.offset + f.length <= req.num_computed_tokens:
-                self.encoder_cache_manager.free_encoder_input(req, i)
-            else:
+            if f.offset + f.length > computed:
                 break
+            if f.mm_hash not in pending:
+                self.encoder_cache_manager.free_encoder_input(req, i)
