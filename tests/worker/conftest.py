@@ -1,11 +1,49 @@
-"""Tiny checkpoints built once per session and loaded through the real loading code."""
+"""Tiny checkpoints built once per session and loaded through the real loading code,
+plus the transformers oracle the engine's outputs are compared with."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from tokenbudget.worker.tiny_models import build_tiny_qwen3
+from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_qwen3
+
+# Mixed prompt lengths: short, a block boundary (16), long ones that chunk.
+PROMPT_LENS = (3, 7, 16, 33, 64, 100, 180, 300)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory) -> str:
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_qwen3_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="session")
+def prompts(hf_model) -> list[list[int]]:
+    """Seeded random token ids, avoiding the special tokens."""
+    rng = np.random.default_rng(0)
+    low, high = len(QWEN_SPECIAL_TOKENS), hf_model.config.vocab_size - 64
+    return [rng.integers(low, high, size=n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """The oracle: transformers generate(), greedy, exactly max_new_tokens (EOS ignored)."""
+    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                    min_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt):].tolist()
+    return generate
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_16(hf_greedy, prompts) -> list[list[int]]:
+    return [hf_greedy(p, 16) for p in prompts]
