@@ -425,6 +425,8 @@ class Scheduler:
                 self._free_request(req, status)
             elif drafts is not None and drafts[i]:
                 req.spec_token_ids = self._fit_drafts(req, drafts[i])
+            elif req.spec_token_ids:
+                req.spec_token_ids = []  # verified this step, nothing new proposed
             outputs.append(RequestOutput(rid, kept, RequestStatus.finish_reason(status)
                                          if status is not None else None,
                                          lp, req.num_cached_tokens, req.stop_reason))
