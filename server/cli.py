@@ -1,0 +1,243 @@
+"""``server``: serve a model over gRPC (Generation + health + reflection).
+
+    server --model PATH_OR_ID --port 50051
+    server                                  # the built-in tiny demo model (random weights)
+    server --model PATH --worker h1:50061   # drive a remote worker (python -m tokenbudget.worker)
+
+SIGTERM (or Ctrl-C) drains: new requests get UNAVAILABLE, requests in flight
+finish (up to --drain-timeout seconds, then they are aborted), exit status 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+
+logger = logging.getLogger("tokenbudget.server")
+
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="Hugging Face checkpoint: a local folder or a hub id. "
+                   "Without it the built-in tiny demo model (random weights) is served.")
+    g.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto, float32, float16, bfloat16 "
+                   "(default %(default)s: the checkpoint's, float32 on CPU)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if "
+                   "available, else cpu)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash_attn"],
+                   help="paged attention kernel (default %(default)s: the fastest available)")
+    g.add_argument("--torch-threads", type=int, default=0,
+                   help="torch intra-op threads on CPU; 0 keeps torch's default")
+    g.add_argument("--demo-dir", default=None,
+                   help="where the demo model is built and cached "
+                   "(default $TOKENBUDGET_CACHE/demo or ~/.cache/tokenbudget/demo)")
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
+    g.add_argument("--port", type=int, default=50051,
+                   help="gRPC port; 0 picks a free one (default %(default)s)")
+    g.add_argument("--max-message-size", type=int, default=64 << 20,
+                   help="largest request message in bytes; larger ones get RESOURCE_EXHAUSTED "
+                   "(default 64 MiB)")
+    g.add_argument("--grpc-threads", type=int, default=512,
+                   help="handler threads = the most concurrent streams (default %(default)s)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this HTTP port (default: off)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight (default %(default)s)")
+
+    g = p.add_argument_group("workers")
+    g.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                   help="a remote worker started with `python -m tokenbudget.worker --port P`; "
+                   "repeatable. Without it the model runs in this process.")
+
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step, prefill chunks and decodes together "
+                   "(default %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests running at once (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output limit per request (default: the model's, at most "
+                   f"{_DEFAULT_MAX_MODEL_LEN})")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap one request's prefill chunk per step; 0 = no cap (default)")
+    g.add_argument("--policy", default="fcfs",
+                   choices=["fcfs", "priority", "lpm", "dfs-weight", "lof", "random"],
+                   help="waiting-queue order (default %(default)s)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="schedule step N+1 only after step N returned (default: overlap them)")
+
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block "
+                   "(default %(default)s)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse KV blocks across requests with the same prefix")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks to allocate (overrides memory-based sizing)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size, e.g. 2GiB or 512MB (CPU default: see the worker)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + activations + KV "
+                   "(default %(default)s)")
+    return p
+
+
+def build_engine(args: argparse.Namespace, metrics=None):
+    """An AsyncEngine for the parsed arguments (loads the model, sizes the KV cache)."""
+    from transformers import AutoConfig
+
+    from tokenbudget.core.config import CacheConfig, SchedulerConfig
+    from tokenbudget.core.engine import EngineCore
+    from tokenbudget.server.async_engine import AsyncEngine
+    from tokenbudget.server.demo import ensure_demo_model
+    from tokenbudget.server.input_processor import InputProcessor
+    from tokenbudget.server.llm import parse_memory_size
+
+    is_demo = args.model is None
+    model = args.model or ensure_demo_model(args.demo_dir)
+    if is_demo:
+        logger.warning("no --model given: serving the built-in DEMO model from %s "
+                       "(tiny Qwen3 with RANDOM weights; its text is gibberish)", model)
+    config = AutoConfig.from_pretrained(model)
+    text_config = config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN
+    max_model_len = args.max_model_len or min(limit, _DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
+        async_scheduling=args.async_scheduling)
+    cache_config = CacheConfig(
+        block_size=args.block_size, num_blocks=args.num_gpu_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory_bytes=parse_memory_size(args.kv_cache_memory),
+        gpu_memory_utilization=args.gpu_memory_utilization)
+    executor = _make_executor(args, model)
+    core = EngineCore(scheduler_config, cache_config, executor)
+    input_processor = InputProcessor.from_pretrained(model, vocab_size=text_config.vocab_size)
+    logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
+                cache_config.block_size, "on" if args.async_scheduling else "off")
+    return AsyncEngine(core, input_processor, metrics, model_name=model,
+                       eos_token_ids=_eos_token_ids(model, input_processor),
+                       is_vision_language=getattr(config, "vision_config", None) is not None,
+                       is_demo=is_demo, num_remote_workers=len(args.worker))
+
+
+def _make_executor(args: argparse.Namespace, model: str):
+    if args.worker:
+        from tokenbudget.worker.remote_executor import RemoteExecutor
+
+        logger.info("driving remote workers %s", ", ".join(args.worker))
+        return RemoteExecutor(args.worker, model, dtype=args.dtype, device=args.device or "",
+                              attention_backend=args.attention_backend,
+                              max_message_size=max(args.max_message_size, 256 << 20))
+    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.worker.worker import Worker
+
+    worker = Worker(model, dtype=args.dtype, device=args.device,
+                    attention_backend=args.attention_backend)
+    return InProcessExecutor(worker, async_mode=args.async_scheduling)
+
+
+def _eos_token_ids(model: str, input_processor) -> list[int]:
+    """EOS ids from the generation config (may be a list), else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = input_processor.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def serve(args: argparse.Namespace, engine) -> int:
+    """Run the gRPC server until SIGTERM/SIGINT; returns the exit status."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from tokenbudget.proto import worker_pb2
+    from tokenbudget.server.grpc_service import SERVICE_NAME, add_generation_servicer
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=args.grpc_threads,
+                                   thread_name_prefix="tokenbudget-grpc"),
+        options=[("grpc.max_receive_message_length", args.max_message_size),
+                 ("grpc.max_send_message_length", args.max_message_size)])
+    servicer = add_generation_servicer(server, engine)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+         health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    def set_health(status) -> None:
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)
+
+    engine.on_death(lambda exc: set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {args.host}:{args.port}")
+    server.start()
+    set_health(health_pb2.HealthCheckResponse.SERVING if engine.healthy
+               else health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Tests and scripts wait for this line (the port may have been picked by the OS).
+    print(f"tokenbudget server listening on {args.host}:{port}", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    logger.info("draining: refusing new requests, waiting up to %.0fs for %d in flight",
+                args.drain_timeout, engine.num_requests)
+    servicer.draining.set()
+    set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    if not engine.wait_idle(args.drain_timeout):
+        logger.warning("drain timeout: aborting %d requests", engine.num_requests)
+    engine.shutdown()
+    server.stop(grace=2).wait()
+    logger.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    metrics = None
+    if args.metrics_port is not None:
+        from tokenbudget.server.metrics import EngineMetrics
+
+        metrics = EngineMetrics(args.model or "demo")
+        metrics.serve(args.metrics_port)
+        logger.info("Prometheus metrics on :%d/metrics", args.metrics_port)
+    try:
+        engine = build_engine(args, metrics)
+    except ValueError as exc:
+        sys.exit(f"server: {exc}")
+    sys.exit(serve(args, engine))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Client: a small Python client of the Generation service.
+
+    with Client("localhost:50051") as c:
+        print(c.generate("Hello", max_tokens=16, temperature=0).text)
+        for chunk in c.generate_stream({"token_ids": [1, 2, 3]}, max_tokens=8):
+            print(chunk.token_ids, chunk.text)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.proto import convert, generate_pb2, generate_pb2_grpc
+
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Client:
+    def __init__(self, target: str, *, max_message_size: int = 64 << 20,
+                 channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_size),
+            ("grpc.max_receive_message_length", max_message_size)])
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                        request_id: str | None = None, priority: int = 0,
+                        cache_salt: str | None = None, timeout: float | None = None,
+                        **sampling) -> Iterator[generate_pb2.GenerateResponse]:
+        """Yield GenerateResponse messages (token_ids and text deltas; the last
+        has finish_reason and usage). Breaking out of the loop cancels the
+        request on the server. ``sampling`` keywords build a SamplingParams."""
+        request = make_request(prompt, sampling_params or SamplingParams(**sampling),
+                               request_id=request_id, priority=priority, cache_salt=cache_salt)
+        call = self.stub.Generate(request, timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # a no-op once the stream ended
+
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                 **kwargs) -> Completion:
+        """Run one request to completion."""
+        out: Completion | None = None
+        for msg in self.generate_stream(prompt, sampling_params, **kwargs):
+            if out is None:
+                out = Completion(msg.request_id)
+            out.token_ids.extend(msg.token_ids)
+            out.text += msg.text
+            if msg.finish_reason:
+                out.finish_reason = msg.finish_reason
+                out.prompt_tokens = msg.usage.prompt_tokens
+                out.completion_tokens = msg.usage.completion_tokens
+                out.cached_tokens = msg.usage.cached_tokens
+        assert out is not None, "the server ended the stream without a response"
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))
+
+    def model_info(self) -> generate_pb2.ModelInfo:
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+
+    def stats(self) -> generate_pb2.Stats:
+        return self.stub.GetStats(generate_pb2.GetStatsRequest())
+
+
+def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
+                 request_id: str | None = None, priority: int = 0,
+                 cache_salt: str | None = None) -> generate_pb2.GenerateRequest:
+    """A GenerateRequest from a prompt: a string, a list of token ids,
+    ``{"token_ids": [...]}``, ``{"text": ..., "images": [bytes]}`` or
+    ``{"messages": [{"role": ..., "content": str | [{"type": "text"|"image", ...}]}]}``."""
+    msg = generate_pb2.GenerateRequest(priority=priority)
+    if request_id is not None:
+        msg.request_id = request_id
+    if cache_salt is not None:
+        msg.cache_salt = cache_salt
+    convert.sampling_params_to_proto(sampling_params, msg.sampling_params)
+    if isinstance(prompt, str):
+        msg.text = prompt
+    elif isinstance(prompt, dict):
+        if "messages" in prompt:
+            for m in prompt["messages"]:
+                _add_message(msg.chat.messages.add(role=m["role"]), m["content"])
+            msg.chat.SetInParent()
+        elif "token_ids" in prompt:
+            msg.token_ids.ids.extend(prompt["token_ids"])
+            msg.token_ids.SetInParent()
+        elif "text" in prompt:
+            msg.text = prompt["text"]
+        else:
+            raise ValueError("prompt dict needs 'messages', 'token_ids' or 'text'")
+        msg.images.extend(prompt.get("images", ()))
+    else:
+        msg.token_ids.ids.extend(prompt)
+        msg.token_ids.SetInParent()
+    return msg
+
+
+def _add_message(out: generate_pb2.ChatMessage, content: str | list[dict]) -> None:
+    if isinstance(content, str):
+        out.content.add(text=content)
+        return
+    for part in content:
+        if part["type"] == "text":
+            out.content.add(text=part["text"])
+        elif part["type"] == "image":
+            out.content.add(image=part["image"])
+        else:
+            raise ValueError(f"unknown content part type {part['type']!r}")
+
+
+__all__ = ["Client", "Completion", "make_request"]

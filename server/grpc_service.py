@@ -1,0 +1,173 @@
+"""The Generation gRPC service over an AsyncEngine.
+
+Every bad input is answered with INVALID_ARGUMENT and a message naming the
+field; the engine never sees it. ``add_generation_servicer(server, engine)``
+lets any grpc.Server host the service.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import uuid
+
+import grpc
+
+from tokenbudget.core.request import Request
+from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.core.scheduler import DuplicateRequestError
+from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
+from tokenbudget.server.async_engine import AsyncEngine, EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        # Set while draining (SIGTERM): new requests get UNAVAILABLE.
+        self.draining = threading.Event()
+
+    # -- Generate ---------------------------------------------------------------------
+    def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+        if self.draining.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        try:
+            req = self._make_request(request)
+            stream = self.engine.add_request(req)
+        except DuplicateRequestError as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        rid = req.request_id
+        # A client that cancels or disconnects frees its KV within one step.
+        context.add_callback(lambda: self.engine.abort(rid))
+        completion = 0
+        try:
+            for chunk in stream:
+                completion += len(chunk.token_ids)
+                msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=chunk.token_ids,
+                                                    text=chunk.text)
+                if chunk.logprobs:
+                    for per_token in chunk.logprobs:
+                        msg.logprobs.add(token_ids=per_token.keys(), logprobs=per_token.values())
+                if chunk.finish_reason is not None:
+                    msg.finish_reason = chunk.finish_reason
+                    msg.usage.prompt_tokens = req.num_prompt_tokens
+                    msg.usage.completion_tokens = completion
+                    msg.usage.cached_tokens = chunk.num_cached_tokens
+                yield msg
+        except ValueError as exc:  # rejected by the scheduler after queueing
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def _make_request(self, request: generate_pb2.GenerateRequest) -> Request:
+        engine = self.engine
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        if not rid:
+            raise ValueError("request_id must not be empty (leave it unset to get one)")
+        try:
+            params = convert.sampling_params_from_proto(request.sampling_params)
+        except ValueError as exc:
+            raise ValueError(f"sampling_params.{exc}") from None
+        if params.structured is not None and \
+                engine.core.scheduler.structured_output_manager is None:
+            raise ValueError("sampling_params.structured: structured output is not enabled "
+                             "on this server")
+        token_ids, features = engine.input_processor.process(self._prompt(request))
+        eos, *more_eos = engine.eos_token_ids or [None]
+        if more_eos and not params.ignore_eos:
+            # Request holds one EOS id; the checkpoint's others stop like stop tokens.
+            params = dataclasses.replace(
+                params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
+        return Request(rid, token_ids, params, eos_token_id=eos, priority=request.priority,
+                       mm_features=features,
+                       cache_salt=request.cache_salt if request.HasField("cache_salt") else None)
+
+    def _prompt(self, request: generate_pb2.GenerateRequest) -> dict:
+        """The InputProcessor's prompt form for the request's input oneof."""
+        kind = request.WhichOneof("input")
+        images = list(request.images)
+        if images or kind == "chat":
+            if not self.engine.is_vision_language and (images or _chat_has_images(request)):
+                raise ValueError(f"images: model {self.engine.model_name} does not accept images")
+        if kind is None:
+            raise ValueError("input: set one of text, token_ids or chat")
+        if kind == "text":
+            if not request.text:
+                raise ValueError("text: the prompt must not be empty")
+            return {"prompt": request.text, "images": images}
+        if kind == "token_ids":
+            if not request.token_ids.ids:
+                raise ValueError("token_ids: the prompt must not be empty")
+            if images:
+                return {"prompt": list(request.token_ids.ids), "images": images}
+            return {"prompt_token_ids": list(request.token_ids.ids)}
+        if images:
+            raise ValueError("images: put a chat's images in its messages' content parts")
+        if not request.chat.messages:
+            raise ValueError("chat.messages must not be empty")
+        return {"messages": [_message(i, m) for i, m in enumerate(request.chat.messages)]}
+
+    # -- the other RPCs -------------------------------------------------------------------
+    def Abort(self, request: generate_pb2.AbortRequest, context: grpc.ServicerContext):
+        if not self.engine.abort(request.request_id):
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"request_id {request.request_id!r} is not a live request")
+        return generate_pb2.AbortResponse()
+
+    def GetModelInfo(self, request, context):
+        e = self.engine
+        sched = e.core.scheduler
+        return generate_pb2.ModelInfo(
+            model=e.model_name, vocab_size=e.input_processor.vocab_size,
+            max_model_len=sched.scheduler_config.max_model_len,
+            block_size=sched.cache_config.block_size, num_blocks=sched.cache_config.num_blocks,
+            is_vision_language=e.is_vision_language, is_demo=e.is_demo,
+            eos_token_ids=e.eos_token_ids, async_scheduling=e.core.async_scheduling,
+            policy=sched.scheduler_config.policy, num_workers=e.num_remote_workers)
+
+    def GetStats(self, request, context):
+        try:
+            s = self.engine.get_stats()
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer in time")
+        return generate_pb2.Stats(**dataclasses.asdict(s))
+
+
+def _chat_has_images(request: generate_pb2.GenerateRequest) -> bool:
+    return any(p.WhichOneof("part") == "image" for m in request.chat.messages for p in m.content)
+
+
+def _message(i: int, m: generate_pb2.ChatMessage) -> dict:
+    if not m.role:
+        raise ValueError(f"chat.messages[{i}].role must not be empty")
+    parts = []
+    for j, p in enumerate(m.content):
+        kind = p.WhichOneof("part")
+        if kind is None:
+            raise ValueError(f"chat.messages[{i}].content[{j}]: set text or image")
+        parts.append({"type": "text", "text": p.text} if kind == "text"
+                     else {"type": "image", "image": p.image})
+    if all(p["type"] == "text" for p in parts):
+        return {"role": m.role, "content": "".join(p["text"] for p in parts)}
+    return {"role": m.role, "content": parts}
+
+
+def add_generation_servicer(server: grpc.Server, engine: AsyncEngine) -> GenerationServicer:
+    """Host the Generation service of ``engine`` on ``server`` (not started)."""
+    servicer = GenerationServicer(engine)
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    return servicer
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """For clients: a SamplingParams as its message."""
+    msg = common_pb2.SamplingParams()
+    convert.sampling_params_to_proto(params, msg)
+    return msg

@@ -1,0 +1,89 @@
+"""Prometheus metrics of the serving engine (``server --metrics-port``).
+
+Names follow vLLM's where one exists, with a ``tokenbudget:`` prefix. Engine
+gauges are refreshed at most every ``interval`` seconds: making the stats
+walks the scheduler, and a scrape does not need per-step resolution.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 interval: float = 0.25) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.interval = interval
+        self._last = 0.0
+        self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"tokenbudget:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"tokenbudget:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Any:
+            return Histogram(f"tokenbudget:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
+                                     "Prefix cache hits / queries, in tokens, since start.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed later).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                             _LATENCY_BUCKETS)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    # -- hooks called by the engine thread ----------------------------------------------
+    def observe_tokens(self, n: int) -> None:
+        if n:
+            self.generation_tokens.inc(n)
+
+    def observe_finished(self, timing, now: float) -> None:
+        self.e2e.observe(now - timing.arrival)
+        if timing.first_token is not None:
+            self.ttft.observe(timing.first_token - timing.arrival)
+            if timing.num_tokens > 1:
+                self.tpot.observe((now - timing.first_token) / (timing.num_tokens - 1))
+
+    def maybe_observe_engine(self, make_stats: Callable[[], Any]) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        self.observe_engine(make_stats())
+
+    def observe_engine(self, stats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        for key, counter, value in (("queries", self.prefix_queries, queries),
+                                    ("hits", self.prefix_hits, hits),
+                                    ("preemptions", self.preemptions, stats.num_preemptions)):
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+                self._seen[key] = value

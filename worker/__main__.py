@@ -1,0 +1,39 @@
+"""``python -m tokenbudget.worker --host H --port P``: serve one worker over gRPC.
+
+The server (``server --worker H:P``) sends the model path and cache/scheduler
+configuration on connect; the path must be readable on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tokenbudget.worker", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=50061,
+                        help="port to bind; 0 picks a free one (default %(default)s)")
+    parser.add_argument("--max-message-size", type=int, default=256 << 20,
+                        help="largest gRPC message in bytes (default 256 MiB)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
+    import torch
+
+    from tokenbudget.worker.grpc_worker import serve
+
+    torch.set_num_threads(args.threads)
+    server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size)
+    # The line tests and scripts wait for (the port may have been picked by the OS).
+    print(f"tokenbudget worker listening on {args.host}:{port}", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Serve one Worker over gRPC (service tokenbudget.v1.Worker).
+
+The model is loaded on Initialize (the server sends model path and configs).
+ExecuteModel decodes incoming steps on a reader thread, so decoding step N+1
+overlaps the forward of step N, and answers them strictly in order.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from concurrent import futures
+
+import grpc
+
+from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, stop_event: threading.Event | None = None) -> None:
+        self.worker = None
+        self._stop_event = stop_event or threading.Event()
+        self._lock = threading.Lock()
+
+    def Initialize(self, request, context):
+        from tokenbudget.worker.worker import Worker
+
+        cache_config, scheduler_config = convert.configs_from_proto(request)
+        with self._lock:
+            if self.worker is not None:
+                self.worker.shutdown()
+            logger.info("loading %s (dtype=%s, device=%s)", request.model,
+                        request.dtype or "auto", request.device or "default")
+            self.worker = Worker(request.model, dtype=request.dtype or "auto",
+                                 device=request.device or None,
+                                 attention_backend=request.attention_backend or "auto")
+            num_blocks = self.worker.initialize(cache_config, scheduler_config)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache_config.block_size)
+        return worker_pb2.InitializeResponse(num_blocks=num_blocks)
+
+    def ExecuteModel(self, request_iterator, context):
+        if self.worker is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "call Initialize first")
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_decode_into, args=(request_iterator, inbox), daemon=True,
+                         name="tokenbudget-worker-decode").start()
+        while (item := inbox.get()) is not _END:
+            step_id, so = item
+            try:
+                out = self.worker.execute_model(so)
+            except Exception as exc:  # reported to the engine, which fails the step
+                logger.exception("step %d failed", step_id)
+                yield worker_pb2.ModelRunnerOutput(
+                    step_id=step_id, error=f"{type(exc).__name__}: {exc}\n"
+                    + "".join(traceback.format_exception(exc)[-3:]))
+                return
+            yield convert.model_runner_output_to_proto(out, step_id)
+
+    def Health(self, request, context):
+        return worker_pb2.HealthResponse(healthy=True,
+                                         detail="ready" if self.worker else "not initialized")
+
+    def Shutdown(self, request, context):
+        self._stop_event.set()
+        return worker_pb2.ShutdownResponse()
+
+
+def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
+    try:
+        for msg in request_iterator:
+            inbox.put((msg.step_id, convert.scheduler_output_from_proto(msg)))
+    except grpc.RpcError:
+        pass  # the engine went away; the stream is over
+    finally:
+        inbox.put(_END)
+
+
+def serve(host: str, port: int, *, max_message_size: int = 256 << 20) -> tuple[grpc.Server, int, threading.Event]:
+    """Start a worker server; returns (server, bound port, stop event)."""
+    stop = threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
+        ("grpc.max_send_message_length", max_message_size),
+        ("grpc.max_receive_message_length", max_message_size)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(stop), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    return server, bound, stop
