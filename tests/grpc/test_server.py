@@ -1,0 +1,204 @@
+"""A real `server` process (tiny Qwen3, in-process worker) against the in-process LLM."""
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tokenbudget.core import SamplingParams
+from tokenbudget.proto import common_pb2, generate_pb2
+from tokenbudget.server.client import make_request
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _stream(client, prompt, params=GREEDY, **kw):
+    return list(client.generate_stream(prompt, params, **kw))
+
+
+def _collect(msgs):
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
+def _wait_all_blocks_free(client, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = client.stats()
+        if s.num_requests == 0 and s.num_free_blocks == s.num_total_blocks:
+            return s
+        assert time.monotonic() < deadline, f"blocks still held: {s}"
+        time.sleep(0.05)
+
+
+def test_health_is_serving_and_reflection_lists_both_services(cluster):
+    with grpc.insecure_channel(cluster.local.address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"tokenbudget.v1.Generation", "tokenbudget.v1.Worker",
+            "grpc.health.v1.Health"} <= names
+
+
+def test_streamed_text_generation_equals_in_process_llm(client, oracle):
+    prompts = ["Hello! How are you today?", "The scheduler hands out a budget of tokens",
+               "Unicode: café 東京 🙂 " * 6]
+    want = oracle.generate(prompts, GREEDY)
+    for prompt, ref in zip(prompts, want):
+        msgs = _stream(client, prompt)
+        tokens, text = _collect(msgs)
+        assert tokens == ref.token_ids
+        assert text == ref.text  # incremental deltas add up to the full decode
+        last = msgs[-1]
+        assert last.finish_reason == ref.finish_reason == "length"
+        assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert last.usage.completion_tokens == len(ref.token_ids)
+        assert all(not m.finish_reason for m in msgs[:-1])
+
+
+def test_token_id_prompts_and_chat_messages_equal_in_process_llm(client, oracle):
+    ids = [5, 17, 300, 42, 42, 7] * 12  # longer than the 64-token budget: chunked
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    want = oracle.generate([{"prompt_token_ids": ids}, {"messages": messages}], GREEDY)
+    got_ids, _ = _collect(_stream(client, ids))
+    got_chat, chat_text = _collect(_stream(client, {"messages": messages}))
+    assert got_ids == want[0].token_ids
+    assert got_chat == want[1].token_ids and chat_text == want[1].text
+
+
+def test_non_streaming_generate_reports_usage_and_cached_tokens(client, oracle):
+    prompt = list(range(10, 60))  # 50 tokens: 3 full blocks can be reused
+    first = client.generate(prompt, GREEDY)
+    second = client.generate(prompt, GREEDY)
+    assert first.token_ids == second.token_ids == oracle.generate(
+        {"prompt_token_ids": prompt}, GREEDY)[0].token_ids
+    assert (second.prompt_tokens, second.completion_tokens) == (50, 12)
+    assert second.cached_tokens == 48
+
+
+def _bad(**fields) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(**fields)
+
+
+def _sp(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**kw)
+
+
+BAD_INPUTS = {
+    "empty text": (_bad(text=""), "text"),
+    "empty token ids": (_bad(token_ids=common_pb2.TokenIds(ids=[])), "token_ids"),
+    "no input": (_bad(), "input"),
+    "prompt longer than max_model_len": (
+        _bad(token_ids=common_pb2.TokenIds(ids=[5] * 4097)), "max_model_len"),
+    "max_tokens 0": (_bad(text="hi", sampling_params=_sp(max_tokens=0)), "max_tokens"),
+    "max_tokens negative": (_bad(text="hi", sampling_params=_sp(max_tokens=-3)), "max_tokens"),
+    "temperature < 0": (_bad(text="hi", sampling_params=_sp(temperature=-0.5)), "temperature"),
+    "top_p 0": (_bad(text="hi", sampling_params=_sp(top_p=0.0)), "top_p"),
+    "top_p > 1": (_bad(text="hi", sampling_params=_sp(top_p=1.5)), "top_p"),
+    "top_k < -1": (_bad(text="hi", sampling_params=_sp(top_k=-2)), "top_k"),
+    "token id >= vocab": (_bad(token_ids=common_pb2.TokenIds(ids=[1, 10**6])), "token_ids"),
+    "negative token id": (_bad(token_ids=common_pb2.TokenIds(ids=[-1])), "token_ids"),
+    "empty request id": (_bad(text="hi", request_id=""), "request_id"),
+    "image for a text model": (_bad(text="hi", images=[b"\x89PNG"]), "images"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_invalid_argument_naming_the_field_and_server_keeps_serving(client, name):
+    request, field = BAD_INPUTS[name]
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stub.Generate(request))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert client.generate("still serving?", GREEDY).completion_tokens == 12
+
+
+def test_message_over_the_size_limit_is_resource_exhausted(client):
+    big = _bad(text="x" * (2 << 20))  # the server's limit is 1 MiB
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stub.Generate(big))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.generate("still serving?", GREEDY).completion_tokens == 12
+
+
+def _start_long(client, request_id: str):
+    """A stream that runs for a while, and its first response."""
+    params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+    call = client.stub.Generate(make_request("a long story", params, request_id=request_id))
+    first = next(call)
+    return call, first
+
+
+def test_abort_ends_the_stream_and_frees_its_blocks_and_unknown_ids_are_not_found(client):
+    call, first = _start_long(client, "to-abort")
+    assert first.request_id == "to-abort"
+    assert client.stats().num_free_blocks < client.stats().num_total_blocks
+    client.abort("to-abort")
+    rest = list(call)
+    assert rest[-1].finish_reason == "abort"
+    _wait_all_blocks_free(client, timeout=2.0)
+    with pytest.raises(grpc.RpcError) as err:
+        client.abort("to-abort")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "to-abort" in err.value.details()
+
+
+def test_duplicate_live_request_id_is_already_exists(client):
+    call, _ = _start_long(client, "dup")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("again", GREEDY, request_id="dup")
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in err.value.details()
+    finally:
+        call.cancel()
+    _wait_all_blocks_free(client)
+
+
+def test_client_cancellation_frees_kv_within_a_step(client):
+    call, _ = _start_long(client, "to-cancel")
+    call.cancel()
+    _wait_all_blocks_free(client, timeout=2.0)
+
+
+def test_metrics_endpoint_counts_generated_tokens_and_latencies(cluster, client):
+    client.generate("metrics please", GREEDY)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith("tokenbudget:") and "{" in line}
+    assert values["tokenbudget:generation_tokens_total"] == client.stats().num_generated_tokens
+    assert values["tokenbudget:e2e_request_latency_seconds_count"] >= 1
+    assert values["tokenbudget:time_to_first_token_seconds_count"] >= 1
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_hit_rate", "num_preemptions_total",
+                 "time_per_output_token_seconds_count"):
+        assert f"tokenbudget:{name}" in values
+
+
+def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(cluster):
+    from tokenbudget.server.client import Client
+
+    spare = cluster.spare
+    with Client(spare.address) as c:
+        params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+        results: list = []
+        t = threading.Thread(target=lambda: results.append(c.generate("drain me", params)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while c.stats().num_requests == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        spare.proc.terminate()
+        time.sleep(0.3)  # the signal handler flips the server into draining
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("too late", GREEDY)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        t.join(60)
+    assert results and results[0].completion_tokens == 1000 and results[0].finish_reason == "length"
+    assert spare.proc.wait(30) == 0
