@@ -97,6 +97,9 @@ class Scheduler:
                 raise ValueError("structured output is not enabled on this engine")
             self.structured_output_manager.add_request(request)
             request.status = RequestStatus.WAITING_FOR_FSM
+        if self.cache_config.enable_prefix_caching:
+            # Hash the prompt's full blocks once, on arrival, off the step path.
+            self.kv_cache_manager.hasher.update(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -175,8 +178,8 @@ class Scheduler:
             if req.num_output_placeholders and \
                     req.num_output_tokens + req.num_output_placeholders >= req.max_tokens:
                 continue  # async: its last token is already being produced
-            num_new = (req.num_tokens_with_spec + req.num_output_placeholders
-                       - req.num_computed_tokens)
+            num_new = (len(req.all_token_ids) + len(req.spec_token_ids)
+                       + req.num_output_placeholders - req.num_computed_tokens)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > step.token_budget:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def _hash_fn(algo: str) -> Callable[[bytes], bytes]:
     if algo == "sha256":
-        return lambda data: hashlib.sha256(data).digest()
+        sha256 = hashlib.sha256
+        return lambda data: sha256(data).digest()
     if algo == "xxhash":
         try:
             import xxhash
@@ -48,17 +49,22 @@ class BlockHasher:
         bs = self.block_size
         tokens = request.all_token_ids
         start = len(hashes) * bs
-        if start + bs > len(tokens):
+        num_full = (len(tokens) - start) // bs
+        if num_full <= 0:
             return hashes
         parent = hashes[-1] if hashes else b""
-        while start + bs <= len(tokens):
-            payload = parent + array("q", tokens[start:start + bs]).tobytes()
-            extra = self._extra_keys(request, start, start + bs)
-            if extra:
-                payload += extra
-            parent = self._hash(payload)
+        # One conversion for all new blocks, then byte slices per block.
+        data = array("q", tokens[start:start + num_full * bs]).tobytes()
+        stride = bs * 8  # int64 tokens
+        plain = not request.mm_features and request.lora_id is None \
+            and (request.cache_salt is None or start > 0)
+        h = self._hash
+        for k in range(num_full):
+            payload = parent + data[k * stride:(k + 1) * stride]
+            if not plain:
+                payload += self._extra_keys(request, start + k * bs, start + (k + 1) * bs)
+            parent = h(payload)
             hashes.append(parent)
-            start += bs
         return hashes
 
     @staticmethod

@@ -73,6 +73,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
             blocks = []
+        elif not new_computed_blocks:
+            # Fast path (most decode steps): the last block has room and no
+            # block becomes full.
+            end = request.num_computed_tokens + num_new_tokens
+            if end + num_lookahead_tokens <= len(blocks) * self.block_size and \
+                    min(end, len(request.all_token_ids)) // self.block_size \
+                    <= self.num_cached_blocks[req_id]:
+                return []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = num_computed + num_new_tokens + num_lookahead_tokens
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
