@@ -53,58 +53,6 @@ class EngineCore:
             return self._step_async()
         so = self.scheduler.schedule()
         if so.is_empty:
-            if _has_notices(so):
-                self.executor.execute_model(so).result()
-            return []
-        result = self.executor.execute_model(so).result()
-        return self.scheduler.update_from_output(so, result)
-
-    def _step_async(self) -> list[RequestOutput]:
-        scheduled = False
-        s = self.scheduler
-        if s.has_unfinished_requests() or s.finished_req_ids:
-            so = s.schedule()
-            scheduled = not so.is_empty
-            if scheduled or _has_notices(so):
-                self._in_flight.append((so, self.executor.execute_model(so)))
-        if not self._in_flight:
-            return []
-        if scheduled and len(self._in_flight) < 2:
-            # The step just sent runs while the next call schedules another.
-            return []
-        so, fut = self._in_flight.popleft()
-        return s.update_from_output(so, fut.result())
-
-    def shutdown(self) -> None: ...
-
-
-class EngineCore:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 executor: Executor, structured_output_manager=None) -> None:
-        num_blocks = executor.initialize(cache_config, scheduler_config)
-        if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
-            cache_config.num_blocks = num_blocks
-        self.executor = executor
-        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager)
-        self.async_scheduling = scheduler_config.async_scheduling
-        # Steps sent to the executor whose outputs have not been applied.
-        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-
-    def abort_requests(self, request_ids) -> list[str]:
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
-
-    def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the outputs that became known."""
-        if self.async_scheduling:
-            return self._step_async()
-        so = self.scheduler.schedule()
-        if so.is_empty:
             self._flush_finished(so)
             return []
         result = self.executor.execute_model(so).result()
@@ -112,15 +60,20 @@ class EngineCore:
 
     def _step_async(self) -> list[RequestOutput]:
         # Keep at most two steps in flight: schedule N+1, then wait for N.
-        if self.scheduler.has_unfinished_requests():
-            so = self.scheduler.schedule()
+        sent = False
+        s = self.scheduler
+        if s.has_unfinished_requests() or s.finished_req_ids:
+            so = s.schedule()
             if not so.is_empty:
                 self._in_flight.append((so, self.executor.execute_model(so)))
-            elif not self._in_flight:
+                sent = True
+            else:
                 self._flush_finished(so)
         if not self._in_flight:
             return []
-        if len(self._in_flight) < 2 and self._can_schedule_more():
+        # Only a step that sent work may return without waiting: when nothing
+        # could be scheduled, progress needs the in-flight step's output.
+        if sent and len(self._in_flight) < 2 and self._can_schedule_more():
             # The step just sent runs while we schedule the next one.
             return []
         so, fut = self._in_flight.popleft()
@@ -142,8 +95,3 @@ class EngineCore:
             fut.cancel()
         self._in_flight.clear()
         self.executor.shutdown()
-
-
-def _has_notices(so: SchedulerOutput) -> bool:
-    """An empty step still tells workers what to drop."""
-    return bool(so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids)
