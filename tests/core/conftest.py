@@ -177,3 +177,8 @@ def run_to_completion():
 @pytest.fixture
 def fake_model():
     return FakeModel
+
+
+@pytest.fixture(name="history_token")
+def history_token_fixture():
+    return history_token
