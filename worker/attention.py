@@ -30,6 +30,9 @@ BACKENDS = ("auto", "sdpa", "flash_attn")
 # Upstream flash-attn reads a paged cache only with pages of a multiple of 256
 # tokens; with smaller blocks we gather each request's KV into a packed tensor.
 _FLASH_PAGE_MULTIPLE = 256
+# sdpa decode batching: at most this many padded groups, of at least this many requests.
+_MAX_DECODE_GROUPS = 4
+_MIN_DECODE_GROUP = 16
 
 
 def flash_attn_available() -> bool:
@@ -70,8 +73,8 @@ class DecodeGroup:
     """Requests with one query token, attended in one padded SDPA call."""
 
     query_idx: torch.Tensor   # [Bd] token index in the packed sequence
-    kv_slots: torch.Tensor    # [Bd, Lmax] cache slots, padding points at slot 0
-    kv_mask: torch.Tensor     # [Bd, 1, 1, Lmax] True where a key is real
+    block_ids: torch.Tensor   # [Bd, max_blocks] block table, padded with the null block 0
+    kv_mask: torch.Tensor     # [Bd, 1, 1, max_blocks * block_size] True where a key is real
 
 
 @dataclass(slots=True)
@@ -80,8 +83,9 @@ class PrefillSeq:
 
     q_start: int
     q_end: int
-    kv_slots: torch.Tensor    # [L] cache slots of the whole context
-    mask: torch.Tensor | None  # [q, L] causal mask, None when q == L (plain is_causal)
+    seq_len: int
+    block_ids: torch.Tensor   # [ceil(seq_len / block_size)]
+    mask: torch.Tensor | None  # [q, seq_len] causal mask, None when q == seq_len (is_causal)
 
 
 @dataclass(slots=True)
@@ -97,8 +101,8 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor      # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
-    # sdpa: the batch split into decodes (one padded call) and longer queries.
-    decode: DecodeGroup | None = None
+    # sdpa: decodes in a few padded groups of similar length, longer queries one by one.
+    decodes: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSeq, ...] = ()
     # flash_attn with small blocks: every request's context slots, packed.
     packed_kv_slots: torch.Tensor | None = None
@@ -126,22 +130,39 @@ def build_metadata(backend: str, kv_caches: list[torch.Tensor], block_size: int,
             meta.packed_kv_slots = to_dev(_context_slots(block_tables, seq_lens, block_size),
                                           torch.long)
         return meta
+    # Reads gather whole blocks (index_select over contiguous block rows), far
+    # cheaper on CPU than gathering token by token.
+    num_blocks = -(-seq_lens // block_size)
     is_decode = query_lens == 1
-    if is_decode.any():
-        meta.decode = _decode_group(query_start[:-1][is_decode], seq_lens[is_decode],
-                                    block_tables[is_decode], block_size, to_dev)
+    decode_idx = np.flatnonzero(is_decode)
+    # Sorted by length and cut into equal groups, padding waste falls from
+    # ~1/2 to ~1/8 of the attention work for uniformly spread lengths.
+    decode_idx = decode_idx[np.argsort(seq_lens[decode_idx], kind="stable")]
+    num_groups = min(_MAX_DECODE_GROUPS, -(-len(decode_idx) // _MIN_DECODE_GROUP))
+    meta.decodes = tuple(
+        _decode_group(idx, query_start, seq_lens, num_blocks, block_tables, block_size, to_dev)
+        for idx in np.array_split(decode_idx, num_groups) if len(idx)) if num_groups else ()
     prefills = []
     for i in np.flatnonzero(~is_decode):
         q, L = int(query_lens[i]), int(seq_lens[i])
-        slots = _context_slots(block_tables[i:i + 1], seq_lens[i:i + 1], block_size)
         mask = None
         if q != L:
             # Query j sits at absolute position L - q + j and sees keys 0..L-q+j.
             mask = torch.ones(q, L, dtype=torch.bool, device=device).tril(L - q)
-        prefills.append(PrefillSeq(int(query_start[i]), int(query_start[i + 1]),
-                                   to_dev(slots, torch.long), mask))
+        prefills.append(PrefillSeq(int(query_start[i]), int(query_start[i + 1]), L,
+                                   to_dev(block_tables[i, :num_blocks[i]], torch.long), mask))
     meta.prefills = tuple(prefills)
     return meta
+
+
+def _decode_group(idx: np.ndarray, query_start: np.ndarray, seq_lens: np.ndarray,
+                  num_blocks: np.ndarray, block_tables: np.ndarray, block_size: int,
+                  to_dev) -> DecodeGroup:
+    max_blocks = int(num_blocks[idx].max())
+    valid = np.arange(max_blocks * block_size)[None, :] < seq_lens[idx, None]
+    return DecodeGroup(to_dev(query_start[idx], torch.long),
+                       to_dev(block_tables[idx, :max_blocks], torch.long),
+                       to_dev(valid[:, None, None, :], torch.bool))
 
 
 def _context_slots(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
@@ -150,17 +171,6 @@ def _context_slots(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: i
     starts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
     pos = np.arange(int(seq_lens.sum())) - starts
     return block_tables[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
-
-
-def _decode_group(query_idx: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                  block_size: int, to_dev) -> DecodeGroup:
-    max_len = int(seq_lens.max())
-    pos = np.arange(max_len)
-    valid = pos[None, :] < seq_lens[:, None]
-    blocks = block_tables[:, pos // block_size].astype(np.int64)
-    slots = np.where(valid, blocks * block_size + pos % block_size, 0)
-    return DecodeGroup(to_dev(query_idx, torch.long), to_dev(slots, torch.long),
-                       to_dev(valid[:, None, None, :], torch.bool))
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -185,27 +195,33 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if meta.backend == "flash_attn":
         out = _flash_attention(q, cache, flat, meta, scaling)
     else:
-        out = _sdpa_attention(q, flat[0], flat[1], meta, scaling)
+        out = _sdpa_attention(q, cache, meta, scaling)
     return out.unsqueeze(0), None
 
 
-def _sdpa_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float | None) -> torch.Tensor:
+def _sdpa_attention(q: torch.Tensor, cache: torch.Tensor, meta: PagedAttentionMetadata,
+                    scale: float | None) -> torch.Tensor:
+    """The reference backend: gather each request's blocks, then torch SDPA."""
+    k_cache, v_cache = cache[0], cache[1]     # [num_blocks, block_size, Hkv, D]
+    num_kv_heads, head_dim = k_cache.shape[2:]
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        d = meta.decode
+    for d in meta.decodes:
+        num_seqs = d.block_ids.shape[0]
+        blocks = d.block_ids.flatten()
+        kd = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
+        vd = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
         qd = q.index_select(0, d.query_idx).unsqueeze(2)        # [Bd, H, 1, D]
-        kd = k_flat[d.kv_slots].transpose(1, 2)                 # [Bd, Hkv, L, D]
-        vd = v_flat[d.kv_slots].transpose(1, 2)
-        res = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.kv_mask, scale=scale,
-                                             enable_gqa=True)
+        res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                             attn_mask=d.kv_mask, scale=scale, enable_gqa=True)
         out.index_copy_(0, d.query_idx, res.squeeze(2))
     for p in meta.prefills:
+        kp = k_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[:p.seq_len]
+        vp = v_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[:p.seq_len]
         qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
-        kp = k_flat[p.kv_slots].transpose(0, 1).unsqueeze(0)     # [1, Hkv, L, D]
-        vp = v_flat[p.kv_slots].transpose(0, 1).unsqueeze(0)
-        res = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale,
-                                             is_causal=p.mask is None, enable_gqa=True)
+        res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
+                                             vp.transpose(0, 1).unsqueeze(0), attn_mask=p.mask,
+                                             scale=scale, is_causal=p.mask is None,
+                                             enable_gqa=True)
         out[p.q_start:p.q_end] = res[0].transpose(0, 1)
     return out
 

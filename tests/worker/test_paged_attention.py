@@ -25,10 +25,11 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
 
 
-def random_batch(rng, block_size, num_blocks, device="cpu", dtype=torch.float32):
+def random_batch(rng, block_size, num_blocks, device="cpu", dtype=torch.float32, num_reqs=None,
+                 query_choices=(1, 1, 2, 5, 17, 40)):
     """Requests with random cached prefixes, query lengths and shuffled block tables."""
-    num_reqs = int(rng.integers(1, 7))
-    query_lens = rng.choice([1, 1, 2, 5, 17, 40], size=num_reqs)
+    num_reqs = num_reqs or int(rng.integers(1, 7))
+    query_lens = rng.choice(query_choices, size=num_reqs)
     cached = rng.integers(0, 50, size=num_reqs)
     seq_lens = query_lens + cached
     max_blocks = int(-(-seq_lens.max() // block_size))
@@ -75,6 +76,18 @@ def test_sdpa_paged_attention_equals_dense_causal_attention(seed, block_size):
     rng = np.random.default_rng(seed)
     b = random_batch(rng, block_size, num_blocks=256)
     out = run_paged("sdpa", b, block_size)
+    start = 0
+    for i, (k, v) in enumerate(b.contexts):
+        end = start + int(b.query_lens[i])
+        torch.testing.assert_close(out[start:end], naive_attention(b.q[start:end], k, v, D ** -0.5),
+                                   atol=1e-5, rtol=1e-5)
+        start = end
+
+
+def test_many_decodes_split_into_length_groups_still_equal_dense_attention():
+    rng = np.random.default_rng(11)
+    b = random_batch(rng, 4, num_blocks=1024, num_reqs=70, query_choices=(1, 1, 1, 1, 3))
+    out = run_paged("sdpa", b, 4)
     start = 0
     for i, (k, v) in enumerate(b.contexts):
         end = start + int(b.query_lens[i])
