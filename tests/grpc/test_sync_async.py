@@ -1,0 +1,75 @@
+"""The overlap (async) loop and the plain loop give identical tokens, in
+process and over a gRPC worker, with chunking and a forced preemption."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenbudget.core import CacheConfig, EngineCore, Request, SamplingParams, SchedulerConfig
+
+# 12 usable blocks of 8 tokens for 6 requests of up to 40 + 24 tokens: the
+# running batch outgrows the cache and preemption must happen.
+BLOCK_SIZE, NUM_BLOCKS, BUDGET = 8, 13, 24
+
+
+def _workload() -> list[Request]:
+    rng = random.Random(1)
+    reqs = []
+    for i, (n, m) in enumerate([(5, 20), (40, 8), (17, 24), (3, 1), (29, 16), (9, 12)]):
+        ids = [rng.randrange(3, 1000) for _ in range(n)]
+        reqs.append(Request(f"r{i}", ids, SamplingParams(max_tokens=m, temperature=0.0,
+                                                         ignore_eos=True)))
+    return reqs
+
+
+def _run(executor, async_scheduling: bool) -> tuple[dict[str, list[int]], int]:
+    sched = SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=8, max_model_len=128,
+                            async_scheduling=async_scheduling)
+    core = EngineCore(sched, CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), executor)
+    try:
+        for r in _workload():
+            core.add_request(r)
+        out: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        stats = core.scheduler.make_stats()
+        pool = core.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
+        return out, stats.num_preemptions
+    finally:
+        core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.worker.worker import Worker
+
+    tokens, preemptions = _run(InProcessExecutor(Worker(tiny_model, device="cpu")), False)
+    assert preemptions > 0, "the workload must force a preemption"
+    assert {len(v) for v in tokens.values()} == {20, 8, 24, 1, 16, 12}
+    return tokens
+
+
+def test_async_in_process_loop_gives_the_sync_tokens(tiny_model, reference):
+    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.worker.worker import Worker
+
+    executor = InProcessExecutor(Worker(tiny_model, device="cpu"), async_mode=True)
+    assert _run(executor, True)[0] == reference
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_remote_worker_loops_give_the_in_process_sync_tokens(tiny_model, reference,
+                                                             async_scheduling):
+    from tokenbudget.worker.grpc_worker import serve
+    from tokenbudget.worker.remote_executor import RemoteExecutor
+
+    server, port, _ = serve("127.0.0.1", 0)
+    try:
+        executor = RemoteExecutor([f"127.0.0.1:{port}"], tiny_model, device="cpu")
+        assert _run(executor, async_scheduling)[0] == reference
+    finally:
+        server.stop(0)
