@@ -5,6 +5,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SchedulerConfig,
                               SchedulerOutput)
@@ -66,14 +68,17 @@ class FakeExecutor:
             self.pool.shutdown()
 
 
+DEFAULT_SPECS = [(f"r{i}", 5 + 9 * i % 55, 5 + 7 * i % 21) for i in range(10)]
+
+
 def _run_engine(make_request, history_token, *, async_scheduling: bool, threaded: bool,
-                max_steps: int = 2000, **config):
-    sched_cfg = SchedulerConfig(async_scheduling=async_scheduling, **{
-        k: v for k, v in config.items() if k not in ("block_size", "num_blocks")})
-    cache_cfg = CacheConfig(block_size=config.get("block_size", 4))
-    executor = FakeExecutor(config.get("num_blocks", 1000), history_token, threaded)
+                max_steps: int = 2000, specs=DEFAULT_SPECS, **config):
+    num_blocks = config.pop("num_blocks", 1000)
+    cache_cfg = CacheConfig(block_size=config.pop("block_size", 4),
+                            enable_prefix_caching=config.pop("enable_prefix_caching", True))
+    sched_cfg = SchedulerConfig(async_scheduling=async_scheduling, **config)
+    executor = FakeExecutor(num_blocks, history_token, threaded)
     engine = EngineCore(sched_cfg, cache_cfg, executor)
-    specs = [(f"r{i}", 5 + 9 * i % 55, 5 + 7 * i % 21) for i in range(10)]
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
 
@@ -81,11 +86,12 @@ def _run_engine(make_request, history_token, *, async_scheduling: bool, threaded
         engine.add_request(make_request(rid, prompt, max_tokens=max_tokens, eos=EOS,
                                         stop_token_ids=[11] if rid == "r3" else []))
 
-    for spec in specs[:5]:
+    half = len(specs) // 2
+    for spec in specs[:half]:
         add(*spec)
     for n in range(max_steps):
         if n == 5:  # the second half arrives while the first is running
-            for spec in specs[5:]:
+            for spec in specs[half:]:
                 add(*spec)
         elif n > 5 and not engine.has_unfinished_requests():
             break
@@ -116,7 +122,7 @@ def test_async_scheduling_produces_the_tokens_of_sync_scheduling(make_request, h
     assert sync_stats.num_preemptions > 0 and async_stats.num_preemptions > 0
     assert async_tokens == sync_tokens
     assert async_reasons == sync_reasons
-    assert len(sync_reasons) == 10
+    assert len(sync_reasons) == len(DEFAULT_SPECS)
     # The oracle: an unpressured, unchunked sync run.
     free_tokens, free_reasons, free_stats = _run_engine(
         make_request, history_token, async_scheduling=False, threaded=False)
@@ -156,3 +162,27 @@ def test_engine_tells_workers_about_an_abort_even_with_nothing_left_to_run(
             engine.step()
         engine.step()
         assert "a" not in executor.tokens, f"async_scheduling={async_scheduling}"
+
+
+# The fixtures hand out plain functions: sharing them across examples is safe.
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(block_size=st.sampled_from([1, 4, 16]), extra_blocks=st.integers(0, 20),
+       budget=st.integers(1, 64), max_num_seqs=st.integers(1, 5),
+       threshold=st.sampled_from([0, 0, 7]), caching=st.booleans(),
+       specs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20)), min_size=1,
+                      max_size=8))
+def test_async_matches_sync_on_random_workloads(make_request, history_token, block_size,
+                                                extra_blocks, budget, max_num_seqs, threshold,
+                                                caching, specs):
+    specs = [(f"r{i}", prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(specs)]
+    # Room for the longest request alone, so every request can finish.
+    longest = max(prompt + max_tokens for _, prompt, max_tokens in specs)
+    config = dict(block_size=block_size, num_blocks=1 + -(-longest // block_size) + extra_blocks,
+                  max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                  long_prefill_token_threshold=threshold, enable_prefix_caching=caching)
+    sync = _run_engine(make_request, history_token, async_scheduling=False, threaded=False,
+                       specs=specs, **config)
+    async_ = _run_engine(make_request, history_token, async_scheduling=True, threaded=False,
+                         specs=specs, **config)
+    assert async_[:2] == sync[:2]
