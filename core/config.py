@@ -21,6 +21,43 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # Async (overlap) scheduling: one output placeholder per running request.
     async_scheduling: bool = False
+    # -- SGLang-style policies (core/policy.py) --
+    # priority: by default lower values run first; True flips that.
+    priority_descending: bool = False
+    # lpm falls back to FCFS when more requests than this wait.
+    lpm_fallback_queue_len: int = 128
+    # In-batch prefix deprioritisation (lpm, dfs-weight): requests whose cached
+    # prefix is <= check tokens and that share >= deprioritize tokens with one
+    # already chosen this round wait a round. 0 disables.
+    in_batch_prefix_check_threshold: int = 32
+    in_batch_prefix_deprioritize_threshold: int = 32
+    # Cache-aware policies serve requests waiting longer than this (seconds)
+    # first, in arrival order. 0 disables aging.
+    aging_bound_s: float = 30.0
+    random_seed: int = 0
+    # Reserve KV for running requests' future tokens when admitting (SGLang's
+    # new_token_ratio). None: on for lpm/dfs-weight/lof/random, off for
+    # fcfs/priority (vLLM behaviour).
+    admission_reserve: bool | None = None
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    reserve_clip_tokens: int = 4096
+    # Victim on memory shortage: "vllm" (last admitted / worst priority) or
+    # "retract" (SGLang: fewest generated tokens, then longest prompt).
+    preemption_mode: str = "vllm"
+    # policy=priority: a waiting request may preempt running requests whose
+    # priority is worse by more than this. A negative value disables it.
+    priority_preemption_threshold: int = 10
+    # Waiting requests beyond this are rejected (or, with priority, the worst
+    # queued one is evicted for a strictly better newcomer). 0: unlimited.
+    max_queued_requests: int = 0
+
+    @property
+    def use_admission_reserve(self) -> bool:
+        if self.admission_reserve is None:
+            return self.policy not in ("fcfs", "priority")
+        return self.admission_reserve
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -31,6 +68,13 @@ class SchedulerConfig:
                              f"{self.long_prefill_token_threshold}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.preemption_mode not in ("vllm", "retract"):
+            raise ValueError("preemption_mode must be 'vllm' or 'retract', got "
+                             f"{self.preemption_mode!r}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if self.encoder_cache_size < 0 or self.encoder_compute_budget < 0:
             raise ValueError("encoder_cache_size and encoder_compute_budget must be >= 0")
 

@@ -52,12 +52,13 @@ class PriorityQueue:
     """Lower ``priority`` first, then earlier arrival. A preempted request
     re-enters by its key, which is what a priority user expects."""
 
-    def __init__(self) -> None:
+    def __init__(self, descending: bool = False) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
         self._seq = itertools.count()
+        self._sign = -1 if descending else 1
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time,
+        heapq.heappush(self._heap, (self._sign * request.priority, request.arrival_time,
                                     next(self._seq), request))
 
     prepend = add
@@ -74,6 +75,10 @@ class PriorityQueue:
             self._heap = [e for e in self._heap if id(e[3]) not in gone]
             heapq.heapify(self._heap)
 
+    def worst(self) -> Request:
+        """The request that would run last."""
+        return max(self._heap)[3]
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -84,5 +89,5 @@ class PriorityQueue:
         return (e[3] for e in sorted(self._heap))
 
 
-def create_queue(policy: str) -> FCFSQueue | PriorityQueue:
-    return PriorityQueue() if policy == "priority" else FCFSQueue()
+def create_queue(policy: str, descending: bool = False) -> FCFSQueue | PriorityQueue:
+    return PriorityQueue(descending) if policy == "priority" else FCFSQueue()

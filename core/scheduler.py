@@ -7,11 +7,14 @@ running requests first, in order, then waiting ones in queue order.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.encoder_cache import EncoderCacheManager
 from tokenbudget.core.kv import KVCacheManager
+from tokenbudget.core.policy import (REORDERING_POLICIES, AdmissionReserve, WaitingOrder,
+                                     make_victim_picker)
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       RequestOutput, SchedulerOutput)
 from tokenbudget.core.queue import create_queue
@@ -21,6 +24,10 @@ from tokenbudget.core.stop import check_stop
 
 class DuplicateRequestError(ValueError):
     """A request id that is already in the scheduler."""
+
+
+class QueueFullError(ValueError):
+    """The waiting queue is at max_queued_requests."""
 
 
 @dataclass(slots=True)
@@ -52,6 +59,8 @@ class _Step:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    # Preempted by a higher-priority waiting request (admission still runs).
+    displaced: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -67,12 +76,22 @@ class Scheduler:
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.structured_output_manager = structured_output_manager
         self.requests: dict[str, Request] = {}
-        self.waiting = create_queue(scheduler_config.policy)
+        self.waiting = create_queue(scheduler_config.policy, scheduler_config.priority_descending)
         self.running: list[Request] = []
         # Sent to workers in the next SchedulerOutput so they drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self._priority_victims = scheduler_config.policy == "priority"
+        self._pick_victim_from = make_victim_picker(scheduler_config)
+        block_size = cache_config.block_size
+        self._order = (WaitingOrder(scheduler_config, block_size)
+                       if scheduler_config.policy in REORDERING_POLICIES else None)
+        self._reserve = (AdmissionReserve(scheduler_config, block_size)
+                         if scheduler_config.use_admission_reserve else None)
+        self._priority_sign = -1 if scheduler_config.priority_descending else 1
+        # Outputs produced outside a model step (queue evictions), returned by
+        # the next update_from_output.
+        self._side_outputs: list[RequestOutput] = []
+        self.clock = time.monotonic
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,11 +116,30 @@ class Scheduler:
                 raise ValueError("structured output is not enabled on this engine")
             self.structured_output_manager.add_request(request)
             request.status = RequestStatus.WAITING_FOR_FSM
+        if cfg.max_queued_requests and len(self.waiting) >= cfg.max_queued_requests:
+            self._make_room_in_queue(request)
         if self.cache_config.enable_prefix_caching:
             # Hash the prompt's full blocks once, on arrival, off the step path.
             self.kv_cache_manager.hasher.update(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def _make_room_in_queue(self, request: Request) -> None:
+        limit = self.scheduler_config.max_queued_requests
+        if self.scheduler_config.policy == "priority":
+            worst = self.waiting.worst()
+            sign = self._priority_sign
+            if (sign * request.priority, request.arrival_time) < \
+                    (sign * worst.priority, worst.arrival_time) and \
+                    sign * request.priority != sign * worst.priority:
+                self.finish_requests([worst.request_id], RequestStatus.FINISHED_ABORTED)
+                worst.stop_reason = "evicted from a full waiting queue by a higher-priority request"
+                self._side_outputs.append(RequestOutput(
+                    worst.request_id, [], "abort", None, max(worst.num_cached_tokens, 0),
+                    worst.stop_reason))
+                return
+        raise QueueFullError(f"the waiting queue is full (max_queued_requests={limit}); "
+                             "retry later")
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> list[str]:
         """Finish (abort) requests at once, freeing their blocks. Unknown or
@@ -154,11 +192,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.scheduler_config
         step = _Step(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
+        if self._reserve is not None:
+            self._reserve.on_step()
+        if cfg.policy == "priority" and cfg.priority_preemption_threshold >= 0 and self.waiting:
+            self._preempt_for_priority(step)
         self._schedule_running(step)
         # A step that had to preempt is out of memory: admitting now would
         # only preempt again next step.
         if not step.preempted:
             self._admit_waiting(step)
+        elif self._reserve is not None:
+            self._reserve.on_preemption(self.running)
         out = self._make_output(step)
         self._update_after_schedule(step)
         return out
@@ -219,9 +263,16 @@ class Scheduler:
         kv = self.kv_cache_manager
         threshold = cfg.long_prefill_token_threshold
         waiting = self.waiting
+        deprioritized = (self._order.reorder(waiting, kv, self.clock())
+                         if self._order is not None else ())
+        reserve = self._reserve
+        reserved = reserve.reserve_blocks(self.running) if reserve is not None else 0.0
         skipped: list[Request] = []
         while waiting and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = waiting.peek()
+            if deprioritized and req.request_id in deprioritized:
+                skipped.append(waiting.pop())
+                continue
             if req.status == RequestStatus.WAITING_FOR_FSM:
                 if not self.structured_output_manager.is_ready(req):
                     # Keep its place in the queue, let the others go.
@@ -240,6 +291,14 @@ class Scheduler:
                     req, num_cached, num_new, step)
                 if num_new <= 0:
                     break
+            if reserve is not None:
+                # Admit only if the running requests' expected growth (and this
+                # request's own) still fits after its blocks are taken.
+                own = reserve.future_tokens(req) / kv.block_size
+                need = -(-(num_cached + num_new) // kv.block_size) - len(hits)
+                if kv.block_pool.get_num_free_blocks() - need < reserved + own:
+                    break
+                reserved += own
             new_ids = kv.allocate_slots(req, num_new, hits, num_cached,
                                         cfg.num_speculative_tokens)
             if new_ids is None:
@@ -265,9 +324,46 @@ class Scheduler:
 
     # -- preemption -------------------------------------------------------------
     def _pick_victim(self) -> Request:
-        if self._priority_victims:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+        return self._pick_victim_from(self.running)
+
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Let the best waiting request displace running requests whose
+        priority is worse by more than the threshold (none is scheduled yet
+        this step), only as many as it needs, and only if that suffices."""
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        sign = self._priority_sign
+        head = self.waiting.peek()
+        if head.status != RequestStatus.WAITING:
+            return
+        hits, num_cached = kv.get_computed_blocks(head)
+        chunk = min(head.num_tokens - num_cached, cfg.max_num_batched_tokens)
+        if 0 < cfg.long_prefill_token_threshold < chunk:
+            chunk = cfg.long_prefill_token_threshold
+        need_blocks = -(-(num_cached + chunk) // kv.block_size) - len(hits)
+        need_blocks += sum(1 for b in hits if b.ref_cnt == 0)
+        free = kv.block_pool.get_num_free_blocks()
+        need_seq = len(self.running) >= cfg.max_num_seqs
+        if free >= need_blocks and not need_seq:
+            return
+        bar = sign * head.priority + cfg.priority_preemption_threshold
+        candidates = sorted((r for r in self.running if sign * r.priority > bar),
+                            key=lambda r: (sign * r.priority, r.arrival_time), reverse=True)
+        victims: list[Request] = []
+        for r in candidates:
+            if free >= need_blocks and not (need_seq and not victims):
+                break
+            victims.append(r)
+            # Only blocks no one else references come back.
+            free += sum(1 for b in kv.req_to_blocks.get(r.request_id, ()) if b.ref_cnt == 1)
+        if free < need_blocks or (need_seq and not victims):
+            return
+        for r in victims:
+            self._preempt(r, step)
+        # Displacing is not a memory shortage: admission goes ahead.
+        step.displaced.extend(victims)
+        for r in victims:
+            step.preempted.remove(r)
 
     def _preempt(self, req: Request, step: _Step) -> int:
         """Send ``req`` back to the head of WAITING, recomputing from scratch
@@ -366,7 +462,7 @@ class Scheduler:
             scheduled_encoder_inputs=step.encoder_inputs,
             num_common_prefix_blocks=num_common,
             finished_req_ids=finished,
-            preempted_req_ids={r.request_id for r in step.preempted},
+            preempted_req_ids={r.request_id for r in step.preempted + step.displaced},
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             grammar_bitmask=grammar_bitmask,
             structured_req_ids=structured_ids,
@@ -385,7 +481,7 @@ class Scheduler:
     # -- update ------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs, self._side_outputs = self._side_outputs, []
         requests = self.requests
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
