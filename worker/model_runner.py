@@ -25,6 +25,8 @@ from tokenbudget.worker.input_batch import InputBatch, RequestState
 from tokenbudget.worker.loader import load_model
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
+from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
+                                       is_vision_model, merge_multimodal_embeddings)
 
 # KV cache size on CPU when neither num_blocks nor kv_cache_memory_bytes is set.
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -54,7 +56,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.text_config = self.model.config.get_text_config()
         self.attention_backend = resolve_backend(attention_backend, self.device, self.dtype)
-        self.vision = None
+        self.vision = _VisionInputs(self.model) if is_vision_model(self.model) else None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -325,3 +327,55 @@ class ModelRunner:
             j += n
         return ModelRunnerOutput(step.req_ids, {r: i for i, r in enumerate(step.req_ids)},
                                  sampled, logprobs)
+
+
+class _VisionInputs:
+    """The VL part of a step: run the vision tower for the encoder inputs the
+    scheduler listed, cache outputs by mm_hash, merge them into the packed
+    ``inputs_embeds`` and build M-RoPE positions (3 rows per token)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.encoder = VisionEncoder(model)
+        self.cache: dict[str, EncoderOutput] = {}
+
+    def free(self, mm_hashes: list[str]) -> None:
+        for h in mm_hashes:
+            self.cache.pop(h, None)
+
+    def init_positions(self, state: RequestState, prompt_token_ids: list[int]) -> None:
+        positions, delta = get_mrope_positions(self.model, prompt_token_ids, state.mm_features)
+        state.mrope_positions, state.mrope_delta = positions.numpy(), delta
+
+    def forward(self, so: SchedulerOutput, step: _Step, requests: dict[str, RequestState],
+                input_ids: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
+        wanted = [requests[rid].mm_features[i]
+                  for rid, idx in so.scheduled_encoder_inputs.items() for i in idx]
+        if wanted:
+            self.cache.update(self.encoder.encode(wanted))
+        states = [requests[rid] for rid in step.req_ids]
+        embeds = self.model.get_input_embeddings()(input_ids)
+        first_rows = np.cumsum(step.query_lens) - step.query_lens
+        segments = [(int(first_rows[i]), int(step.starts[i]),
+                     int(step.starts[i] + step.query_lens[i]), s.mm_features)
+                    for i, s in enumerate(states) if s.mm_features]
+        lm_kwargs = merge_multimodal_embeddings(embeds, segments, self.cache) if segments else {}
+        positions = self._positions(step, states, first_rows).to(input_ids.device)
+        hidden = self.model.model.language_model(
+            inputs_embeds=embeds[None], position_ids=positions[:, None, :], paged_attn=meta,
+            use_cache=False, **lm_kwargs).last_hidden_state
+        return self.model.lm_head(hidden[0].index_select(0, keep))
+
+    @staticmethod
+    def _positions(step: _Step, states: list[RequestState], first_rows: np.ndarray):
+        """Token i past the prompt sits at i + delta on all three rows; prompt
+        tokens of image requests take their precomputed M-RoPE columns."""
+        deltas = np.fromiter((s.mrope_delta for s in states), np.int64, len(states))
+        positions = np.repeat((step.positions + np.repeat(deltas, step.query_lens))[None], 3, 0)
+        for i, s in enumerate(states):
+            start, prompt_end = int(step.starts[i]), s.num_prompt_tokens
+            if s.mm_features and start < prompt_end:
+                n = min(int(step.query_lens[i]), prompt_end - start)
+                row = int(first_rows[i])
+                positions[:, row:row + n] = s.mrope_positions[:, start:start + n]
+        return torch.from_numpy(positions)

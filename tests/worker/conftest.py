@@ -47,3 +47,28 @@ def hf_greedy(hf_model):
 @pytest.fixture(scope="session")
 def hf_greedy_16(hf_greedy, prompts) -> list[list[int]]:
     return [hf_greedy(p, 16) for p in prompts]
+
+
+def png_bytes(height: int, width: int, seed: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def vl_chats() -> list[list[dict]]:
+    """Two chats sharing one image; the first has two images."""
+    a, b = png_bytes(60, 90, seed=1), png_bytes(70, 120, seed=2)
+    return [
+        [{"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                      {"type": "image", "image": a}, {"type": "text", "text": "with"},
+                                      {"type": "image", "image": b},
+                                      {"type": "text", "text": "please."}]}],
+        [{"role": "user", "content": [{"type": "image", "image": b},
+                                      {"type": "text", "text": "What is it?"}]}],
+    ]
