@@ -105,3 +105,16 @@ def test_scheduling_past_known_tokens_is_an_error(runner, prompts):
     runner.execute_model(step(new=[NewRequestData("r", prompts[0], [], GREEDY, blocks(1, 8), 0)]))
     with pytest.raises(RuntimeError, match="scheduled past the tokens the worker knows"):
         runner.execute_model(step(cached=[("r", [], 3, 3, None)]))
+
+
+def test_batch_grows_past_max_num_seqs(tiny_qwen3_path, prompts, hf_greedy_16):
+    """Async scheduling may admit requests before the worker hears that others
+    finished, so the batch must grow rather than fail."""
+    r = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa")
+    r.initialize_kv_cache(CacheConfig(block_size=BS, num_blocks=64),
+                          SchedulerConfig(max_num_seqs=1, max_model_len=64))
+    out = r.execute_model(step(new=[
+        NewRequestData(f"r{i}", prompts[i], [], GREEDY, blocks(1 + 10 * i, 20), 0)
+        for i in range(3)]))
+    assert r.batch.capacity >= 3
+    assert [sampled(out, f"r{i}") for i in range(3)] == [ref[:1] for ref in hf_greedy_16[:3]]
