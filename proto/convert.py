@@ -7,7 +7,7 @@ scheduler side (core) stays torch-free.
 from __future__ import annotations
 
 import json
-from itertools import accumulate, chain
+from itertools import chain, islice
 from numbers import Integral, Real
 from typing import Any
 
@@ -192,10 +192,30 @@ def _ragged_to_proto(lists: list[list[int]], out: worker_pb2.RaggedIds) -> None:
     out.flat.extend(chain.from_iterable(lists))
 
 
+def _sparse_ragged_to_proto(lists: list[list[int]], out: worker_pb2.RaggedIds) -> None:
+    rows = [i for i, x in enumerate(lists) if x]
+    out.num_lists = len(lists)
+    out.rows.extend(rows)
+    out.counts.extend([len(lists[i]) for i in rows])
+    out.flat.extend(chain.from_iterable(lists[i] for i in rows))
+
+
 def _ragged_from_proto(msg: worker_pb2.RaggedIds) -> list[list[int]]:
-    flat = list(msg.flat)
-    ends = list(accumulate(msg.counts))
-    return [flat[end - n:end] for n, end in zip(msg.counts, ends)]
+    # Decode steps are the hot path: every list one token, or (sparse) almost
+    # every list empty; splitting generically costs several times more.
+    counts = msg.counts
+    if msg.num_lists:
+        lists: list[list[int]] = [[] for _ in range(msg.num_lists)]
+        it = iter(msg.flat)
+        for row, n in zip(msg.rows, counts):
+            lists[row] = list(islice(it, n))
+        return lists
+    if not msg.flat:
+        return [[] for _ in counts]
+    if len(msg.flat) == len(counts) and max(counts) == 1:  # sum n, none > 1: all ones
+        return [[x] for x in msg.flat]
+    it = iter(msg.flat)
+    return [list(islice(it, n)) for n in counts]
 
 
 def _id_lists_to_proto(d: dict[str, list[int]], out) -> None:
@@ -211,9 +231,9 @@ def _id_lists_from_proto(m) -> dict[str, list[int]]:
 
 
 def scheduler_output_to_proto(so: SchedulerOutput, step_id: int = 0) -> worker_pb2.SchedulerOutput:
+    cached = so.scheduled_cached_reqs
     msg = worker_pb2.SchedulerOutput(
         step_id=step_id,
-        scheduled_req_ids=so.num_scheduled_tokens.keys(),
         num_scheduled_tokens=so.num_scheduled_tokens.values(),
         total_num_scheduled_tokens=so.total_num_scheduled_tokens,
         num_common_prefix_blocks=so.num_common_prefix_blocks,
@@ -222,12 +242,13 @@ def scheduler_output_to_proto(so: SchedulerOutput, step_id: int = 0) -> worker_p
         free_encoder_mm_hashes=so.free_encoder_mm_hashes,
         structured_req_ids=so.structured_req_ids,
     )
+    if list(so.num_scheduled_tokens) != _canonical_order(so):
+        msg.scheduled_req_ids.extend(so.num_scheduled_tokens)
     for r in so.scheduled_new_reqs:
         _new_request_to_proto(r, msg.scheduled_new_reqs.add())
-    cached = so.scheduled_cached_reqs
     out = msg.scheduled_cached_reqs
     out.req_ids.extend(cached.req_ids)
-    _ragged_to_proto(cached.new_block_ids, out.new_block_ids)
+    _sparse_ragged_to_proto(cached.new_block_ids, out.new_block_ids)
     out.num_computed_tokens.extend(cached.num_computed_tokens)
     _id_lists_to_proto(cached.resumed_token_ids, out.resumed_token_ids)
     _id_lists_to_proto(so.scheduled_spec_decode_tokens, msg.scheduled_spec_decode_tokens)
@@ -245,10 +266,12 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         num_computed_tokens=list(c.num_computed_tokens),
         resumed_token_ids=_id_lists_from_proto(c.resumed_token_ids),
     )
+    new_reqs = [_new_request_from_proto(r) for r in msg.scheduled_new_reqs]
+    order = msg.scheduled_req_ids or cached.req_ids + [r.req_id for r in new_reqs]
     return SchedulerOutput(
-        scheduled_new_reqs=[_new_request_from_proto(r) for r in msg.scheduled_new_reqs],
+        scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached,
-        num_scheduled_tokens=dict(zip(msg.scheduled_req_ids, msg.num_scheduled_tokens)),
+        num_scheduled_tokens=dict(zip(order, msg.num_scheduled_tokens)),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         scheduled_spec_decode_tokens=_id_lists_from_proto(msg.scheduled_spec_decode_tokens),
         scheduled_encoder_inputs=_id_lists_from_proto(msg.scheduled_encoder_inputs),
@@ -260,6 +283,10 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
                          if msg.HasField("grammar_bitmask") else None),
         structured_req_ids=list(msg.structured_req_ids),
     )
+
+
+def _canonical_order(so: SchedulerOutput) -> list[str]:
+    return so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
 
 
 def _new_request_to_proto(r: NewRequestData, out: worker_pb2.NewRequest) -> None:
@@ -288,9 +315,14 @@ def _new_request_from_proto(m: worker_pb2.NewRequest) -> NewRequestData:
 # -- ModelRunnerOutput ------------------------------------------------------------------
 
 
-def model_runner_output_to_proto(out: ModelRunnerOutput,
-                                 step_id: int = 0) -> worker_pb2.ModelRunnerOutput:
-    msg = worker_pb2.ModelRunnerOutput(step_id=step_id, req_ids=out.req_ids)
+def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
+                                 scheduled_req_ids: list[str] | None = None,
+                                 ) -> worker_pb2.ModelRunnerOutput:
+    """``scheduled_req_ids``: the step's order (list(num_scheduled_tokens));
+    rows in that order are sent without their ids."""
+    msg = worker_pb2.ModelRunnerOutput(step_id=step_id)
+    if out.req_ids != scheduled_req_ids:
+        msg.req_ids.extend(out.req_ids)
     _ragged_to_proto(out.sampled_token_ids, msg.sampled_token_ids)
     if out.logprobs is not None:
         msg.has_logprobs = True
@@ -308,8 +340,16 @@ def model_runner_output_to_proto(out: ModelRunnerOutput,
     return msg
 
 
-def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
+def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput,
+                                   scheduled_req_ids: list[str] | None = None,
+                                   ) -> ModelRunnerOutput:
+    """``scheduled_req_ids`` must be what the sender was given (see to_proto)."""
     req_ids = list(msg.req_ids)
+    if not req_ids and msg.sampled_token_ids.counts:
+        if scheduled_req_ids is None:
+            raise ValueError("this ModelRunnerOutput omits its req_ids: pass the step's "
+                             "scheduled_req_ids")
+        req_ids = list(scheduled_req_ids)
     logprobs = None
     if msg.has_logprobs:
         logprobs = [[dict(zip(t.token_ids, t.logprobs)) for t in rl.tokens] if rl.present

@@ -98,12 +98,16 @@ class NewRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class RaggedIds(_message.Message):
-    __slots__ = ("counts", "flat")
+    __slots__ = ("counts", "flat", "num_lists", "rows")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     FLAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LISTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
     flat: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, counts: _Optional[_Iterable[int]] = ..., flat: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_lists: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., flat: _Optional[_Iterable[int]] = ..., num_lists: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "resumed_token_ids")
@@ -207,12 +211,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("healthy", "detail")
+    __slots__ = ("healthy", "detail", "num_steps", "busy_seconds", "wall_seconds")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     detail: str
-    def __init__(self, healthy: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    num_steps: int
+    busy_seconds: float
+    wall_seconds: float
+    def __init__(self, healthy: _Optional[bool] = ..., detail: _Optional[str] = ..., num_steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

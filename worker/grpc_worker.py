@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from concurrent import futures
 
@@ -26,6 +27,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker = None
         self._stop_event = stop_event or threading.Event()
         self._lock = threading.Lock()
+        self._num_steps = 0
+        self._busy = 0.0
+        self._first_step: float | None = None
 
     def Initialize(self, request, context):
         from tokenbudget.worker.worker import Worker
@@ -51,19 +55,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                          name="tokenbudget-worker-decode").start()
         while (item := inbox.get()) is not _END:
             step_id, so = item
+            start = time.perf_counter()
+            if self._first_step is None:
+                self._first_step = start
             try:
                 out = self.worker.execute_model(so)
+                self._busy += time.perf_counter() - start
+                self._num_steps += 1
             except Exception as exc:  # reported to the engine, which fails the step
                 logger.exception("step %d failed", step_id)
                 yield worker_pb2.ModelRunnerOutput(
                     step_id=step_id, error=f"{type(exc).__name__}: {exc}\n"
                     + "".join(traceback.format_exception(exc)[-3:]))
                 return
-            yield convert.model_runner_output_to_proto(out, step_id)
+            yield convert.model_runner_output_to_proto(out, step_id,
+                                                       list(so.num_scheduled_tokens))
 
     def Health(self, request, context):
-        return worker_pb2.HealthResponse(healthy=True,
-                                         detail="ready" if self.worker else "not initialized")
+        wall = 0.0 if self._first_step is None else time.perf_counter() - self._first_step
+        return worker_pb2.HealthResponse(
+            healthy=True, detail="ready" if self.worker else "not initialized",
+            num_steps=self._num_steps, busy_seconds=self._busy, wall_seconds=wall)
 
     def Shutdown(self, request, context):
         self._stop_event.set()

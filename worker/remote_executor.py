@@ -38,9 +38,11 @@ class WorkerUnavailableError(ConnectionError):
 class _Step:
     """A step sent to every worker; done when each has answered."""
 
-    __slots__ = ("future", "remaining", "output")
+    __slots__ = ("future", "remaining", "output", "req_ids")
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, req_ids: list[str]) -> None:
+        # The step's scheduled order: replies in that order omit their ids.
+        self.req_ids = req_ids
         self.future: Future[ModelRunnerOutput] = Future()
         self.remaining = num_workers
         self.output: ModelRunnerOutput | None = None
@@ -107,7 +109,7 @@ class RemoteExecutor:
         return min(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        step = _Step(len(self._conns))
+        step = _Step(len(self._conns), list(scheduler_output.num_scheduled_tokens))
         with self._lock:
             if self._error is not None:
                 step.future.set_exception(self._error)
@@ -147,7 +149,7 @@ class RemoteExecutor:
                 if reply.error:
                     raise WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
                 if conn.rank == 0:
-                    step.output = convert.model_runner_output_from_proto(reply)
+                    step.output = convert.model_runner_output_from_proto(reply, step.req_ids)
                 with self._lock:
                     step.remaining -= 1
                     done = step.remaining == 0

@@ -83,6 +83,21 @@ def test_scheduler_output_round_trips_through_bytes_including_mm_tensors():
     assert list(back.num_scheduled_tokens) == ["c", "a", "d", "b", "e"]
 
 
+def test_steady_decode_steps_send_each_request_id_once_each_way():
+    ids = ["r1", "r2", "r3"]
+    so = SchedulerOutput([], CachedRequestData(ids, [[], [9], []], [5, 6, 7]),
+                         {r: 1 for r in ids}, 3)
+    msg = convert.scheduler_output_to_proto(so)
+    assert not msg.scheduled_req_ids  # implied by the cached requests' order
+    _assert_same(so, convert.scheduler_output_from_proto(msg))
+    out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[4], [5], [6]])
+    reply = convert.model_runner_output_to_proto(out, 1, ids)
+    assert not reply.req_ids
+    _assert_same(out, convert.model_runner_output_from_proto(reply, ids))
+    with pytest.raises(ValueError, match="scheduled_req_ids"):
+        convert.model_runner_output_from_proto(reply)
+
+
 def test_empty_scheduler_output_round_trips():
     so = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"gone"})
     _assert_same(so, convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(so)))

@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""Serving benchmarks against the gRPC server (DESIGN.md §7).
+
+    # load generator against a running server
+    python benchmarks/serving.py load --target localhost:50051 --num-requests 200 \\
+        --request-rate 20 --prompt-len 128:512 --output-len 32:128 --shared-prefix 64 \\
+        --out results/serving.json --plot results/serving.png
+    python benchmarks/serving.py load --target localhost:50051 --concurrency 32 ...
+
+    # per-step protobuf encode + decode vs the scheduler's own step time
+    python benchmarks/serving.py codec --sizes 64 256 1024
+
+    # tokens/s with async scheduling on vs off, remote worker on this machine,
+    # and the worker's idle fraction (starts worker + server processes itself)
+    python benchmarks/serving.py async-compare [--model PATH] --concurrency 32
+
+Every mode prints one JSON object per result line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+# -- load generator ------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_len: int = 0
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def _length(spec: str, rng: random.Random) -> int:
+    lo, _, hi = spec.partition(":")
+    return rng.randint(int(lo), int(hi or lo))
+
+
+def make_prompts(args, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
+    out = []
+    for _ in range(args.num_requests):
+        n = max(1, _length(args.prompt_len, rng) - len(prefix))
+        out.append((prefix + [rng.randrange(3, vocab) for _ in range(n)],
+                    _length(args.output_len, rng)))
+    return out
+
+
+def run_one(client, prompt: list[int], max_tokens: int) -> RequestResult:
+    from tokenbudget.core import SamplingParams
+
+    r = RequestResult(len(prompt), start=time.perf_counter())
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    last = r.start
+    try:
+        for msg in client.generate_stream(prompt, params):
+            now = time.perf_counter()
+            if msg.token_ids:
+                if r.ttft is None:
+                    r.ttft = now - r.start
+                else:
+                    # Tokens that arrived together share the gap.
+                    r.itl.extend([(now - last) / len(msg.token_ids)] * len(msg.token_ids))
+                last = now
+                r.output_len += len(msg.token_ids)
+        r.e2e = time.perf_counter() - r.start
+    except Exception as exc:  # noqa: BLE001 - reported in the summary
+        r.error = str(exc)
+    return r
+
+
+def run_load(target: str, prompts, *, request_rate: float | None, concurrency: int | None,
+             seed: int = 0) -> tuple[list[RequestResult], float]:
+    from tokenbudget.server.client import Client
+
+    client = Client(target)
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    if concurrency:
+        it = iter(prompts)
+
+        def loop() -> None:
+            while True:
+                with lock:
+                    item = next(it, None)
+                if item is None:
+                    return
+                res = run_one(client, *item)
+                with lock:
+                    results.append(res)
+
+        threads = [threading.Thread(target=loop) for _ in range(concurrency)]
+    else:
+        rng = random.Random(seed)
+        threads = []
+        delay = 0.0
+        for item in prompts:
+            def fire(item=item, at=delay) -> None:
+                time.sleep(max(0.0, t0 + at - time.perf_counter()))
+                res = run_one(client, *item)
+                with lock:
+                    results.append(res)
+            threads.append(threading.Thread(target=fire))
+            delay += rng.expovariate(request_rate) if request_rate else 0.0
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    client.close()
+    return results, elapsed
+
+
+def _pcts(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    values = sorted(values)
+
+    def p(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+    return {"mean_ms": statistics.fmean(values) * 1000, "p50_ms": p(0.5), "p90_ms": p(0.9),
+            "p99_ms": p(0.99)}
+
+
+def summarize(results: list[RequestResult], elapsed: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    out_tokens = sum(r.output_len for r in ok)
+    return {
+        "requests": len(results), "errors": len(results) - len(ok), "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in ok)) / elapsed,
+        "ttft": _pcts([r.ttft for r in ok if r.ttft is not None]), "tpot": _pcts(tpot),
+        "itl": _pcts([x for r in ok for x in r.itl]), "e2e": _pcts([r.e2e for r in ok]),
+    }
+
+
+def plot(results: list[RequestResult], path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; no plot (pip install matplotlib)"
+    ok = [r for r in results if r.error is None]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (name, values) in zip(axes, [
+            ("TTFT (ms)", [r.ttft * 1000 for r in ok if r.ttft is not None]),
+            ("ITL (ms)", [x * 1000 for r in ok for x in r.itl]),
+            ("end-to-end (ms)", [r.e2e * 1000 for r in ok])]):
+        ax.hist(values, bins=50)
+        ax.set_xlabel(name)
+        ax.set_ylabel("count")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def cmd_load(args) -> None:
+    from tokenbudget.server.client import Client
+
+    with Client(args.target) as c:
+        info = c.model_info()
+    results, elapsed = run_load(args.target, make_prompts(args, info.vocab_size),
+                                request_rate=args.request_rate, concurrency=args.concurrency,
+                                seed=args.seed)
+    summary = {"mode": "load", "model": info.model, **summarize(results, elapsed)}
+    if args.plot:
+        summary["plot"] = plot(results, args.plot)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(
+            {"summary": summary, "requests": [asdict(r) for r in results]}, indent=1))
+    print(json.dumps(summary))
+
+
+# -- codec overhead ---------------------------------------------------------------------
+def cmd_codec(args) -> None:
+    from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
+                                  Scheduler, SchedulerConfig)
+    from tokenbudget.proto import convert, worker_pb2
+
+    rng = random.Random(0)
+    for n in args.sizes:
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=n,
+                                          max_model_len=1024),
+                          CacheConfig(block_size=16, num_blocks=n * 48 + 16))
+        for i in range(n):
+            sched.add_request(Request(f"req-{i}", [rng.randrange(1, 32000) for _ in range(512)],
+                                      SamplingParams(max_tokens=256, ignore_eos=True)))
+        t = {"schedule": 0.0, "update": 0.0, "encode": 0.0, "decode": 0.0}
+        steps = 0
+        while sched.has_unfinished_requests():
+            a = time.perf_counter()
+            so = sched.schedule()
+            b = time.perf_counter()
+            wire = convert.scheduler_output_to_proto(so).SerializeToString()
+            c = time.perf_counter()
+            so2 = convert.scheduler_output_from_proto(worker_pb2.SchedulerOutput.FromString(wire))
+            d = time.perf_counter()
+            # What the worker answers: one token per request whose prefill is done.
+            req_ids = list(so2.num_scheduled_tokens)
+            done = [sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+                    for r in req_ids]
+            mro = ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)},
+                                    [[7] if x else [] for x in done])
+            e = time.perf_counter()
+            wire2 = convert.model_runner_output_to_proto(mro, 0, req_ids).SerializeToString()
+            f = time.perf_counter()
+            mro2 = convert.model_runner_output_from_proto(
+                worker_pb2.ModelRunnerOutput.FromString(wire2), list(so.num_scheduled_tokens))
+            g = time.perf_counter()
+            sched.update_from_output(so, mro2)
+            h = time.perf_counter()
+            if all(done) and len(req_ids) == n:  # steady decode steps only
+                steps += 1
+                t["schedule"] += b - a
+                t["encode"] += (c - b) + (f - e)
+                t["decode"] += (d - c) + (g - f)
+                t["update"] += h - g
+                sizes = (len(wire), len(wire2))
+        per = {k: v / steps * 1e6 for k, v in t.items()}
+        sched_us = per["schedule"] + per["update"]
+        codec_us = per["encode"] + per["decode"]
+        print(json.dumps({"mode": "codec", "running": n, "steps": steps,
+                          "scheduler_us": round(sched_us, 1),
+                          "encode_us": round(per["encode"], 1),
+                          "decode_us": round(per["decode"], 1),
+                          "codec_over_scheduler": round(codec_us / sched_us, 3),
+                          "step_bytes": {"scheduler_output": sizes[0],
+                                         "model_runner_output": sizes[1]}}))
+
+
+# -- async on vs off ----------------------------------------------------------------------
+def _spawn(argv: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if " listening on " in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, int(line.rsplit(":", 1)[1])
+    raise RuntimeError(f"{argv[0]} exited with {proc.wait()}")
+
+
+def _worker_health(address: str):
+    import grpc
+
+    from tokenbudget.proto import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest())
+
+
+def cmd_async_compare(args) -> None:
+    from tokenbudget.server.demo import ensure_demo_model
+
+    model = args.model or ensure_demo_model()
+    bin_dir = Path(sys.executable).parent
+    for async_on in (True, False):
+        worker, wport = _spawn([sys.executable, "-m", "tokenbudget.worker", "--port", "0",
+                                "--threads", str(args.threads)])
+        server, sport = _spawn([str(bin_dir / "server"), "--model", model, "--port", "0",
+                                "--worker", f"127.0.0.1:{wport}",
+                                *([] if async_on else ["--no-async-scheduling"])])
+        try:
+            target = f"127.0.0.1:{sport}"
+            run_load(target, make_prompts(args, 1000)[:args.concurrency],
+                     request_rate=None, concurrency=args.concurrency)  # warm-up
+            before = _worker_health(f"127.0.0.1:{wport}")
+            results, elapsed = run_load(target, make_prompts(args, 1000), request_rate=None,
+                                        concurrency=args.concurrency)
+            after = _worker_health(f"127.0.0.1:{wport}")
+        finally:
+            server.terminate()
+            worker.terminate()
+            server.wait(60)
+            worker.wait(60)
+        busy = after.busy_seconds - before.busy_seconds
+        wall = after.wall_seconds - before.wall_seconds
+        s = summarize(results, elapsed)
+        tokens = s["output_tokens_per_s"] * elapsed
+        print(json.dumps({
+            "mode": "async-compare", "async_scheduling": async_on,
+            "output_tokens_per_s": round(s["output_tokens_per_s"], 1),
+            "worker_steps": after.num_steps - before.num_steps,
+            "worker_idle_fraction": round(1 - busy / wall, 3) if wall else None,
+            "worker_compute_tokens_per_s": round(tokens / busy, 1) if busy else None,
+            "tpot_p50_ms": round(s["tpot"].get("p50_ms", 0.0), 2), "errors": s["errors"]}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+
+    def workload_flags(q) -> None:
+        q.add_argument("--num-requests", type=int, default=200)
+        q.add_argument("--prompt-len", default="64:256", help="N or LO:HI (uniform)")
+        q.add_argument("--output-len", default="16:64", help="N or LO:HI (uniform)")
+        q.add_argument("--shared-prefix", type=int, default=0,
+                       help="tokens every prompt starts with (prefix caching)")
+        q.add_argument("--seed", type=int, default=0)
+
+    q = sub.add_parser("load", help="load generator against a running server")
+    q.add_argument("--target", default="localhost:50051")
+    arrival = q.add_mutually_exclusive_group()
+    arrival.add_argument("--request-rate", type=float, default=None,
+                         help="Poisson arrivals per second (default: all at once)")
+    arrival.add_argument("--concurrency", type=int, default=None,
+                         help="fixed number of requests in flight")
+    workload_flags(q)
+    q.add_argument("--out", help="write the summary and per-request records as JSON")
+    q.add_argument("--plot", help="write TTFT/ITL/e2e histograms as a PNG")
+
+    q = sub.add_parser("codec", help="protobuf encode+decode per step vs scheduler step")
+    q.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+
+    q = sub.add_parser("async-compare", help="tokens/s async on vs off, remote worker")
+    q.add_argument("--model", help="checkpoint (default: the demo model)")
+    q.add_argument("--concurrency", type=int, default=32)
+    q.add_argument("--threads", type=int, default=1, help="worker torch threads")
+    workload_flags(q)
+    args = p.parse_args(argv)
+    {"load": cmd_load, "codec": cmd_codec, "async-compare": cmd_async_compare}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
