@@ -101,6 +101,12 @@ class Scheduler:
         if request.num_tokens > cfg.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens, more than "
                              f"max_model_len={cfg.max_model_len}")
+        pool_tokens = (self.kv_cache_manager.block_pool.num_blocks - 1) * \
+            self.kv_cache_manager.block_size
+        if request.num_tokens + cfg.num_speculative_tokens > pool_tokens:
+            # It could never be admitted and would block the queue behind it.
+            raise ValueError(f"prompt has {request.num_tokens} tokens but the KV cache holds "
+                             f"only {pool_tokens}; raise num_gpu_blocks or shorten the prompt")
         limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
         for f in request.mm_features:
             if f.length > limit:
@@ -289,20 +295,18 @@ class Scheduler:
             if req.mm_features:
                 encoder_inputs, num_new = self._try_schedule_encoder_inputs(
                     req, num_cached, num_new, step)
-                if num_new <= 0:
-                    break
-            if reserve is not None:
-                # Admit only if the running requests' expected growth (and this
-                # request's own) still fits after its blocks are taken.
-                own = reserve.future_tokens(req) / kv.block_size
-                need = -(-(num_cached + num_new) // kv.block_size) - len(hits)
-                if kv.block_pool.get_num_free_blocks() - need < reserved + own:
-                    break
-                reserved += own
-            new_ids = kv.allocate_slots(req, num_new, hits, num_cached,
-                                        cfg.num_speculative_tokens)
+            new_ids = None
+            if num_new > 0 and self._fits_reserve(req, num_new, hits, num_cached, reserved):
+                new_ids = kv.allocate_slots(req, num_new, hits, num_cached,
+                                            cfg.num_speculative_tokens)
             if new_ids is None:
+                if req.mm_features:
+                    # Drop the encoder-cache references the lookup just took:
+                    # a waiting request must not pin entries.
+                    self.encoder_cache_manager.free(req)
                 break
+            if reserve is not None:
+                reserved += reserve.future_tokens(req) / kv.block_size
             waiting.pop()
             kv.record_prefix_lookup(req.num_tokens, num_cached)
             self.running.append(req)
@@ -321,6 +325,19 @@ class Scheduler:
                 self._commit_encoder_inputs(req, encoder_inputs, step)
         for req in reversed(skipped):
             waiting.prepend(req)
+
+    def _fits_reserve(self, req: Request, num_new: int, hits: list, num_cached: int,
+                      reserved: float) -> bool:
+        """With the admission reserve on: whether the running requests'
+        expected growth, and this request's own, still fit after its blocks
+        are taken."""
+        reserve = self._reserve
+        if reserve is None:
+            return True
+        kv = self.kv_cache_manager
+        own = reserve.future_tokens(req) / kv.block_size
+        need = -(-(num_cached + num_new) // kv.block_size) - len(hits)
+        return kv.block_pool.get_num_free_blocks() - need >= reserved + own
 
     # -- preemption -------------------------------------------------------------
     def _pick_victim(self) -> Request:
