@@ -167,3 +167,29 @@ def oracle(tiny_model):
     llm = LLM(tiny_model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_gpu_blocks=512)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory) -> str:
+    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def vl_server(tiny_vl_model) -> Proc:
+    from tokenbudget.worker.model_runner import ModelRunner
+
+    if ModelRunner(tiny_vl_model, device="cpu").vision is None:
+        pytest.skip("the ModelRunner does not run vision-language models yet "
+                    "(ModelRunner.vision is None)")
+    p = spawn_server("vl-server", tiny_vl_model, "--max-num-batched-tokens",
+                     str(MAX_NUM_BATCHED_TOKENS))
+    try:
+        p.wait_listening()
+        wait_serving(p.address)
+    except Exception:
+        p.stop()
+        raise
+    yield p
+    p.stop()
