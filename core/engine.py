@@ -54,7 +54,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             self._flush_finished(so)
-            return []
+            return self.scheduler.take_side_outputs()
         result = self.executor.execute_model(so).result()
         return self.scheduler.update_from_output(so, result)
 
@@ -70,7 +70,7 @@ class EngineCore:
             else:
                 self._flush_finished(so)
         if not self._in_flight:
-            return []
+            return s.take_side_outputs()
         # Only a step that sent work may return without waiting: when nothing
         # could be scheduled, progress needs the in-flight step's output.
         if sent and len(self._in_flight) < 2 and self._can_schedule_more():

@@ -179,6 +179,11 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
 
+    def take_side_outputs(self) -> list[RequestOutput]:
+        """Outputs that arose outside a model step (queue evictions)."""
+        outputs, self._side_outputs = self._side_outputs, []
+        return outputs
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -498,7 +503,7 @@ class Scheduler:
     # -- update ------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs, self._side_outputs = self._side_outputs, []
+        outputs = self.take_side_outputs()
         requests = self.requests
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids

@@ -269,3 +269,29 @@ def test_queue_limit_with_priority_evicts_the_worst_for_a_better_newcomer(
     evicted = [o for o in outs if o.request_id == "p7"]
     assert evicted and evicted[0].finish_reason == "abort"
     sched.kv_cache_manager.block_pool.check_invariants()
+
+
+def test_eviction_notice_is_returned_by_the_next_engine_step(make_request):
+    from concurrent.futures import Future
+
+    from tokenbudget.core import CacheConfig, EngineCore, ModelRunnerOutput
+
+    class IdleExecutor:
+        def initialize(self, cache_config, scheduler_config):
+            return 64
+
+        def execute_model(self, so):
+            fut = Future()
+            fut.set_result(ModelRunnerOutput.empty())
+            return fut
+
+        def shutdown(self):
+            pass
+
+    # max_num_seqs=1 with a long-running request: the queue fills, nothing new runs.
+    engine = EngineCore(SchedulerConfig(policy="priority", max_queued_requests=1, max_num_seqs=1),
+                        CacheConfig(), IdleExecutor())
+    engine.add_request(make_request("p5", 8, priority=5))
+    engine.add_request(make_request("p1", 8, priority=1))
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("p5", "abort")]
