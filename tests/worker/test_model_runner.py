@@ -118,3 +118,18 @@ def test_batch_grows_past_max_num_seqs(tiny_qwen3_path, prompts, hf_greedy_16):
         for i in range(3)]))
     assert r.batch.capacity >= 3
     assert [sampled(out, f"r{i}") for i in range(3)] == [ref[:1] for ref in hf_greedy_16[:3]]
+
+
+def test_grammar_bitmask_rows_constrain_their_requests_only(runner, prompts, hf_greedy_16):
+    import numpy as np
+
+    forced = 77
+    words = -(-runner.vocab_size // 32)
+    bitmask = np.zeros((1, words), dtype=np.int32)
+    bitmask[0, forced // 32] = 1 << (forced % 32)
+    so = step(new=[NewRequestData("free", prompts[0], [], GREEDY, blocks(1, 8), 0),
+                   NewRequestData("json", prompts[1], [], GREEDY, blocks(3, 12), 0)])
+    so.grammar_bitmask, so.structured_req_ids = bitmask, ["json"]
+    out = runner.execute_model(so)
+    assert sampled(out, "json") == [forced] != hf_greedy_16[1][:1]
+    assert sampled(out, "free") == hf_greedy_16[0][:1]
