@@ -70,18 +70,19 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.text_config.vocab_size
 
-    def _bytes_per_block(self, block_size: int) -> int:
+    @property
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the decoder."""
         c = self.text_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self._kv_shape = (c.num_hidden_layers, c.num_key_value_heads, head_dim)
-        return kv_cache_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads,
-                                        head_dim, self.dtype)
+        return c.num_hidden_layers, c.num_key_value_heads, head_dim
 
     def initialize_kv_cache(self, cache_config: CacheConfig,
                             scheduler_config: SchedulerConfig) -> int:
         """Size and allocate the KV cache; returns num_blocks (block 0 included)."""
         bs = cache_config.block_size
-        per_block = self._bytes_per_block(bs)
+        num_layers, num_kv_heads, head_dim = self._kv_shape
+        per_block = kv_cache_bytes_per_block(num_layers, bs, num_kv_heads, head_dim, self.dtype)
         blocks_per_req = -(-(scheduler_config.max_model_len + scheduler_config.num_speculative_tokens
                              + 1) // bs)
         num_blocks = cache_config.num_blocks
@@ -98,7 +99,6 @@ class ModelRunner:
         if num_blocks < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes "
                              "(need at least 2); raise kv_cache_memory or num_gpu_blocks")
-        num_layers, num_kv_heads, head_dim = self._kv_shape
         self.block_size = bs
         self.kv_caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
                                             self.dtype, self.device)
