@@ -54,6 +54,7 @@ class WaitingOrder:
         self.policy = config.policy
         self.block_size = block_size
         self.lpm_fallback = config.lpm_fallback_queue_len
+        self.window = config.cache_aware_window
         self.check_tokens = config.in_batch_prefix_check_threshold
         self.deprioritize_tokens = config.in_batch_prefix_deprioritize_threshold
         self.aging_s = config.aging_bound_s
@@ -63,9 +64,17 @@ class WaitingOrder:
         """Reorder ``waiting`` in place for this step; return the ids of the
         requests deprioritised this round (they keep their place but are not
         admitted in this step)."""
-        reqs = list(waiting)
-        if len(reqs) <= 1:
+        if len(waiting) <= 1:
             return set()
+        if self.policy == "lpm" and len(waiting) > self.lpm_fallback:
+            # Matching every waiting request costs too much in a long queue.
+            # Timsort is linear on the already-ordered common case.
+            waiting.reorder(sorted(waiting, key=lambda r: r.arrival_time))
+            return set()
+        reqs = list(waiting)
+        rest: list[Request] = []
+        if self.policy == "dfs-weight" and len(reqs) > self.window:
+            reqs, rest = reqs[:self.window], reqs[self.window:]
         aged: list[Request] = []
         if self.aging_s > 0 and self.policy in CACHE_AWARE_POLICIES:
             # Cache-cold requests can starve behind a stream of hot ones;
@@ -77,7 +86,7 @@ class WaitingOrder:
                 reqs = [r for r in reqs if id(r) not in old]
                 aged.sort(key=lambda r: r.arrival_time)
         deprioritized: set[str] = set()
-        if self.policy == "lpm" and len(reqs) <= self.lpm_fallback:
+        if self.policy == "lpm":
             prefix = {id(r): cached_prefix_blocks(kv, r) for r in reqs}
             reqs.sort(key=lambda r: -prefix[id(r)])  # stable: FCFS among equals
             deprioritized = self._in_batch_deprioritize(reqs, prefix)
@@ -93,7 +102,7 @@ class WaitingOrder:
         if deprioritized:
             ordered = [r for r in ordered if r.request_id not in deprioritized] + \
                 [r for r in ordered if r.request_id in deprioritized]
-        waiting.reorder(ordered)
+        waiting.reorder(ordered + rest if rest else ordered)
         return deprioritized
 
     def _in_batch_deprioritize(self, reqs: list[Request], prefix: dict[int, int]) -> set[str]:
@@ -122,23 +131,27 @@ def _dfs_weight_order(reqs: list[Request], prefix: dict[int, int]) -> list[Reque
     requests sharing a cached prefix are admitted together (SGLang dfs-weight).
 
     A request sits at the node of its last cached block; a node's weight is the
-    number of requests at or below it."""
+    number of requests at or below it. Hashes are chained, so a node names its
+    whole path: the tree is built from the distinct nodes only, walking each
+    one's chain once."""
     root = b""
-    children: dict[bytes, list[bytes]] = {}
-    weight: dict[bytes, int] = {root: 0}
     at_node: dict[bytes, list[Request]] = {}
     for r in reqs:
         n = prefix[id(r)]
-        path = r.block_hashes[:n]
-        weight[root] += 1
+        at_node.setdefault(r.block_hashes[n - 1] if n else root, []).append(r)
+    children: dict[bytes, list[bytes]] = {}
+    weight: dict[bytes, int] = {root: len(reqs)}
+    for node, members in at_node.items():
+        if node == root:
+            continue
+        first = members[0]
         parent = root
-        for h in path:
+        for h in first.block_hashes[:prefix[id(first)]]:
             if h not in weight:
                 weight[h] = 0
                 children.setdefault(parent, []).append(h)
-            weight[h] += 1
+            weight[h] += len(members)
             parent = h
-        at_node.setdefault(parent, []).append(r)
     out: list[Request] = []
     stack = [root]
     while stack:
@@ -146,8 +159,7 @@ def _dfs_weight_order(reqs: list[Request], prefix: dict[int, int]) -> list[Reque
         out.extend(at_node.get(node, ()))
         kids = children.get(node)
         if kids:
-            # Pushed lightest first so the heaviest is popped first; ties keep
-            # first-seen (arrival) order.
+            # Heaviest popped first; ties keep first-seen (arrival) order.
             kids = sorted(kids, key=lambda h: weight[h], reverse=True)
             stack.extend(reversed(kids))
     return out

@@ -295,3 +295,15 @@ def test_eviction_notice_is_returned_by_the_next_engine_step(make_request):
     engine.add_request(make_request("p1", 8, priority=1))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("p5", "abort")]
+
+
+def test_dfs_weight_orders_only_the_head_window(make_scheduler, make_request, step):
+    sched = make_scheduler(policy="dfs-weight", cache_aware_window=2)
+    warm(sched, step, make_request, "warm", BASE)
+    for rid, prompt in [("cold1", tail(40, 900)), ("hot1", BASE + tail(5, 700)),
+                        ("cold2", tail(40, 950)), ("hot2", BASE + tail(5, 720))]:
+        sched.add_request(make_request(rid, prompt))
+    ids, _ = order(sched)
+    # The window [cold1, hot1] is ordered (root first); cold2 and hot2 keep
+    # their FCFS places behind it.
+    assert ids == ["cold1", "hot1", "cold2", "hot2"]
