@@ -1,0 +1,342 @@
+"""Structured output with xgrammar: grammars compiled off the hot path, one
+packed bitmask per step.
+
+A request with ``SamplingParams.structured`` is handed to the manager on
+arrival. Its grammar compiles in a thread pool (compiled grammars are cached
+by spec in a bounded LRU) while the request waits in WAITING_FOR_FSM; the
+scheduler skips it, keeping its queue position, until ``is_ready``. A compile
+that fails or outlives ``compile_timeout_s`` comes back from ``take_failed``
+and the scheduler aborts the request with that error.
+
+Each step ``grammar_bitmask`` fills one int32 row (xgrammar layout: bit j of
+word w allows token 32*w + j) per sampled position of the scheduled
+structured requests; the worker applies it to the logits before sampling.
+``accept_tokens`` advances a request's matcher with the tokens it kept.
+
+xgrammar is imported only when a request needs it, so ``tokenbudget.core``
+never imports it (or torch) at import time. Every method except
+``validate`` and ``compile`` runs on the scheduler's thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tokenbudget.core.sampling_params import StructuredOutputParams
+
+if TYPE_CHECKING:
+    from tokenbudget.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarError(ValueError):
+    """A structured-output spec that cannot be parsed or compiled."""
+
+
+class GrammarTimeoutError(TimeoutError):
+    """A grammar that did not compile within the manager's timeout."""
+
+
+@dataclass(slots=True, eq=False)
+class StructuredRequest:
+    """The manager's per-request state (``Request.structured_request``)."""
+
+    params: StructuredOutputParams
+    compiled: Future
+    deadline: float
+    matcher: Any = None
+
+
+# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: " and
+# assertion boilerplate; users only need the part after it.
+_XGRAMMAR_NOISE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*|Check failed: \(.*?\) is false: ")
+
+
+def _clean(exc: BaseException) -> str:
+    return _XGRAMMAR_NOISE.sub("", str(exc)).strip()
+
+
+def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = False):
+    """The xgrammar ``Grammar`` for a spec (parsing only: cheap, no tokenizer).
+    Raises GrammarError naming the field and the problem."""
+    import xgrammar as xgr
+
+    kind = params.kind
+    value = getattr(params, kind)
+    try:
+        if kind == "json_schema":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise GrammarError(f"structured.json_schema is not valid JSON: {exc}") from None
+            if not isinstance(value, (dict, bool)):
+                raise GrammarError("structured.json_schema must be a JSON object, got "
+                                   f"{type(value).__name__}")
+            return xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(value)
+        # choice: an alternation of literal strings (JSON escapes are EBNF escapes).
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    except GrammarError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
+        raise GrammarError(f"structured.{kind}: {_clean(exc)}") from None
+
+
+class StructuredOutputManager:
+    """Compiles grammars and keeps one xgrammar matcher per structured request.
+
+    ``vocab_size`` is the model's (logits) vocabulary, which may exceed the
+    tokenizer's; the bitmask covers all of it (padding ids never allowed).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, compile_timeout_s: float = 30.0,
+                 cache_size: int = 128, compile_threads: int = 2, fill_threads: int | str = "auto",
+                 any_whitespace: bool = False) -> None:
+        if compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_size = cache_size
+        # JSON without free whitespace: models cannot pad output with endless blanks.
+        self.any_whitespace = any_whitespace
+        self._compile_threads = compile_threads
+        self._fill_threads = fill_threads
+        self._compiler_lock = threading.Lock()
+        self._compiler = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._batch = None
+        # Spec key -> Future[CompiledGrammar]; the newest use last.
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        # Waiting for their grammar / with a matcher, by request id.
+        self._pending: dict[str, Request] = {}
+        self._active: dict[str, Request] = {}
+        self.clock = time.monotonic
+
+    @property
+    def bitmask_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    # -- compiling (any thread) -------------------------------------------------------
+    def validate(self, params: StructuredOutputParams) -> None:
+        """Parse the spec now (milliseconds, no tokenizer work) so a bad one is
+        refused at submission with a GrammarError naming the problem."""
+        parse_grammar(params, any_whitespace=self.any_whitespace)
+
+    def compile(self, params: StructuredOutputParams):
+        """Parse and compile a spec for this tokenizer (blocking, uncached)."""
+        grammar = parse_grammar(params, any_whitespace=self.any_whitespace)
+        try:
+            return self._get_compiler().compile_grammar(grammar)
+        except Exception as exc:
+            raise GrammarError(f"structured.{params.kind}: {_clean(exc)}") from None
+
+    def _get_compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
+                                                         vocab_size=self.vocab_size)
+                # Our LRU is the cache: bounded, and a miss really compiles.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._compile_threads,
+                                                     cache_enabled=False)
+            return self._compiler
+
+    def _compiled(self, params: StructuredOutputParams) -> Future:
+        key = params.key()
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._compile_threads,
+                                            thread_name_prefix="tokenbudget-grammar")
+        fut = self._pool.submit(self.compile, params)
+        self._cache[key] = fut
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return fut
+
+    # -- request lifecycle (scheduler thread) --------------------------------------------
+    def add_request(self, req: Request) -> None:
+        params = req.sampling_params.structured
+        req.structured_request = StructuredRequest(
+            params, self._compiled(params), self.clock() + self.compile_timeout_s)
+        self._pending[req.request_id] = req
+
+    def is_ready(self, req: Request) -> bool:
+        """Whether the grammar compiled; builds the request's matcher the first time."""
+        sr = req.structured_request
+        if sr.matcher is not None:
+            return True
+        fut = sr.compiled
+        if not fut.done() or fut.exception() is not None:
+            return False
+        sr.matcher = self._make_matcher(req, fut.result())
+        del self._pending[req.request_id]
+        self._active[req.request_id] = req
+        return True
+
+    @staticmethod
+    def _make_matcher(req: Request, compiled):
+        import xgrammar as xgr
+
+        params = req.sampling_params
+        stops = [] if params.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
+        stops += [t for t in params.stop_token_ids if t not in stops]
+        if not stops:
+            # Nothing can stop it but the grammar's end.
+            return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def take_failed(self) -> list[tuple[Request, Exception]]:
+        """Waiting requests whose compile failed or timed out, with the error."""
+        if not self._pending:
+            return []
+        now = self.clock()
+        failed: list[tuple[Request, Exception]] = []
+        for req in self._pending.values():
+            sr = req.structured_request
+            if sr.compiled.done():
+                exc = sr.compiled.exception()
+                if exc is None:
+                    continue
+                key = sr.params.key()
+                if self._cache.get(key) is sr.compiled:
+                    del self._cache[key]  # let a corrected client retry the same spec
+                if not isinstance(exc, GrammarError):
+                    exc = GrammarError(f"structured.{sr.params.kind}: {_clean(exc)}")
+                failed.append((req, exc))
+            elif now >= sr.deadline:
+                failed.append((req, GrammarTimeoutError(
+                    f"structured.{sr.params.kind}: the grammar did not compile within "
+                    f"{self.compile_timeout_s:g} s")))
+        return failed
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until some pending compile finishes
+        (the engine calls this when it has nothing else to run)."""
+        futures = [r.structured_request.compiled for r in self._pending.values()]
+        futures = [f for f in futures if not f.done()]
+        if futures:
+            wait(futures, timeout, return_when=FIRST_COMPLETED)
+
+    def remove_request(self, req: Request) -> None:
+        self._pending.pop(req.request_id, None)
+        self._active.pop(req.request_id, None)
+        req.structured_request = None
+
+    # -- per step (scheduler thread) -----------------------------------------------------
+    def grammar_bitmask(self, requests: dict[str, Request], num_scheduled: dict[str, int],
+                        spec_tokens: dict[str, list[int]]) -> tuple[np.ndarray | None, list[str]]:
+        """Bitmask rows for the scheduled structured requests that sample this
+        step: 1 + drafts rows each, in the order of the returned request ids.
+        Row k of a request with drafts reflects its state after drafts[:k]."""
+        if not self._active:
+            return None, []
+        ids: list[str] = []
+        num_rows = 0
+        for rid, req in self._active.items():
+            n = num_scheduled.get(rid)
+            if n is None:
+                continue
+            drafts = spec_tokens.get(rid, ())
+            known = req.num_tokens + req.num_output_placeholders + len(drafts)
+            if req.num_computed_tokens + n < known:
+                continue  # a prefill chunk that does not sample
+            ids.append(rid)
+            num_rows += 1 + len(drafts)
+        if not ids:
+            return None, []
+        bitmask = np.empty((num_rows, self.bitmask_words), dtype=np.int32)
+        matchers, rows = [], []
+        k = 0
+        for rid in ids:
+            matcher = self._active[rid].structured_request.matcher
+            drafts = spec_tokens.get(rid)
+            if drafts:
+                _fill_with_drafts(matcher, drafts, bitmask, k)
+                k += 1 + len(drafts)
+            else:
+                matchers.append(matcher)
+                rows.append(k)
+                k += 1
+        if matchers:
+            self._batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask, ids
+
+    def _batch_matcher(self):
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
+        return self._batch
+
+    def accept_tokens(self, req: Request, token_ids: list[int]) -> bool:
+        """Advance the matcher; True when it reached its end (the request stops)."""
+        matcher = req.structured_request.matcher
+        for t in token_ids:
+            if not matcher.accept_token(t):
+                # Only a bitmask that was not applied gets here; stop rather
+                # than emit text outside the grammar.
+                logger.error("request %s: token %d violates its grammar; stopping it",
+                             req.request_id, t)
+                return True
+        return matcher.is_terminated()
+
+    def validate_drafts(self, req: Request, draft_token_ids: list[int]) -> list[int]:
+        """The longest prefix of the drafts the grammar allows (the first
+        invalid draft and everything after it are dropped)."""
+        matcher = req.structured_request.matcher
+        n = 0
+        for t in draft_token_ids:
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return draft_token_ids[:n]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill_with_drafts(matcher, drafts: list[int], bitmask: np.ndarray, first_row: int) -> None:
+    """Rows first_row .. first_row + len(drafts): the mask before each draft and
+    after the last. Past an invalid draft the rows allow everything: its own
+    row forbids it, so the worker rejects it and all that follows."""
+    accepted = 0
+    for j in range(len(drafts) + 1):
+        matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        if j == len(drafts):
+            break
+        if matcher.is_terminated() or not matcher.accept_token(drafts[j]):
+            bitmask[first_row + j + 1:first_row + len(drafts) + 1] = -1
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
