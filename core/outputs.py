@@ -97,6 +97,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
+    # Why an aborted request failed (e.g. its grammar did not compile), for the caller to raise.
+    error: Exception | None = None
 
     @property
     def finished(self) -> bool:
