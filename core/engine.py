@@ -54,6 +54,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             self._flush_finished(so)
+            self._wait_for_grammars()
             return self.scheduler.take_side_outputs()
         result = self.executor.execute_model(so).result()
         return self.scheduler.update_from_output(so, result)
@@ -62,6 +63,13 @@ class EngineCore:
         # Keep at most two steps in flight: schedule N+1, then wait for N.
         sent = False
         s = self.scheduler
+        outputs: list[RequestOutput] = []
+        if any(so.structured_req_ids for so, _ in self._in_flight):
+            # The next grammar bitmask must see the tokens those steps sample:
+            # with structured requests sampling, steps do not overlap.
+            while self._in_flight:
+                so, fut = self._in_flight.popleft()
+                outputs += s.update_from_output(so, fut.result())
         if s.has_unfinished_requests() or s.finished_req_ids:
             so = s.schedule()
             if not so.is_empty:
@@ -70,14 +78,23 @@ class EngineCore:
             else:
                 self._flush_finished(so)
         if not self._in_flight:
-            return s.take_side_outputs()
+            if not outputs:
+                self._wait_for_grammars()
+            return outputs + s.take_side_outputs()
         # Only a step that sent work may return without waiting: when nothing
         # could be scheduled, progress needs the in-flight step's output.
         if sent and len(self._in_flight) < 2 and self._can_schedule_more():
             # The step just sent runs while we schedule the next one.
-            return []
+            return outputs
         so, fut = self._in_flight.popleft()
-        return self.scheduler.update_from_output(so, fut.result())
+        return outputs + self.scheduler.update_from_output(so, fut.result())
+
+    def _wait_for_grammars(self) -> None:
+        # Nothing runs: rather than spin, sleep until a grammar compiles (briefly,
+        # so callers still get to add and abort requests).
+        som = self.scheduler.structured_output_manager
+        if som is not None and som.has_pending():
+            som.wait_for_compiles(0.02)
 
     def _can_schedule_more(self) -> bool:
         s = self.scheduler
@@ -94,4 +111,6 @@ class EngineCore:
         for _, fut in self._in_flight:
             fut.cancel()
         self._in_flight.clear()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
