@@ -205,6 +205,8 @@ class Scheduler:
         step = _Step(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
         if self._reserve is not None:
             self._reserve.on_step()
+        if self.structured_output_manager is not None:
+            self._abort_failed_grammars()
         if cfg.policy == "priority" and cfg.priority_preemption_threshold >= 0 and self.waiting:
             self._preempt_for_priority(step)
         self._schedule_running(step)
@@ -217,6 +219,14 @@ class Scheduler:
         out = self._make_output(step)
         self._update_after_schedule(step)
         return out
+
+    def _abort_failed_grammars(self) -> None:
+        # A grammar that failed to compile (or timed out) ends its request with the error.
+        for req, error in self.structured_output_manager.take_failed():
+            self.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+            req.stop_reason = str(error)
+            self._side_outputs.append(RequestOutput(req.request_id, [], "abort", None, 0,
+                                                    req.stop_reason, error))
 
     def _schedule_running(self, step: _Step) -> None:
         cfg = self.scheduler_config
@@ -558,7 +568,10 @@ class Scheduler:
     def _fit_drafts(self, req: Request, draft: list[int]) -> list[int]:
         room = min(self.scheduler_config.max_model_len - req.num_tokens,
                    req.max_tokens - req.num_output_tokens) - 1
-        return draft[:max(room, 0)]
+        draft = draft[:max(room, 0)]
+        if draft and req.structured_request is not None:
+            draft = self.structured_output_manager.validate_drafts(req, draft)
+        return draft
 
     def _free_computed_encoder_inputs(self, req: Request) -> None:
         # A placeholder fully computed no longer needs the encoder output; the
