@@ -11,6 +11,7 @@ from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.engine import EngineCore
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.core.structured_output import StructuredOutputManager
 from tokenbudget.server.input_processor import InputProcessor, Prompt
 
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -50,7 +51,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, policy: str = "fcfs",
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  attention_backend: str = "auto", async_scheduling: bool = False,
-                 seed: int = 0, trust_remote_code: bool = False) -> None:
+                 seed: int = 0, trust_remote_code: bool = False,
+                 grammar_compile_timeout_s: float = 30.0) -> None:
         import torch
 
         from tokenbudget.worker.executor import InProcessExecutor
@@ -79,7 +81,12 @@ class LLM:
             model, vocab_size=worker.model_runner.vocab_size, trust_remote_code=trust_remote_code)
         self.eos_token_ids = _eos_token_ids(worker.model_runner.model, self.input_processor)
         self.executor = InProcessExecutor(worker, async_mode=async_scheduling)
-        self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor)
+        # Cheap until a structured request arrives (xgrammar loads then).
+        self.structured_output = StructuredOutputManager(
+            self.input_processor.tokenizer, worker.model_runner.vocab_size,
+            compile_timeout_s=grammar_compile_timeout_s)
+        self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor,
+                                 self.structured_output)
         self._ids = itertools.count()
 
     @property
@@ -114,6 +121,8 @@ class LLM:
         return [results[r.request_id] for r in requests]
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        if params.structured is not None:
+            self.structured_output.validate(params.structured)  # a bad spec fails here
         token_ids, mm_features = self.input_processor.process(prompt)
         eos, *more_eos = self.eos_token_ids or [None]
         if more_eos and not params.ignore_eos:
@@ -134,6 +143,8 @@ class LLM:
                 res = results.get(out.request_id)
                 if res is None:
                     continue
+                if out.error is not None:  # e.g. its grammar failed to compile
+                    raise out.error
                 res.token_ids.extend(out.new_token_ids)
                 res.num_cached_tokens = max(out.num_cached_tokens, 0)
                 if out.logprobs is not None:
