@@ -124,6 +124,13 @@ class AsyncEngine:
         self.is_demo = is_demo
         self.num_remote_workers = num_remote_workers
         self.max_model_len = core.scheduler.scheduler_config.max_model_len
+        scheduler = core.scheduler
+        if scheduler.structured_output_manager is None and input_processor is not None:
+            # Structured output needs only the tokenizer; xgrammar loads on first use.
+            from tokenbudget.core.structured_output import StructuredOutputManager
+
+            scheduler.structured_output_manager = StructuredOutputManager(
+                input_processor.tokenizer, input_processor.vocab_size)
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._commands: list[Callable[[], None]] = []
@@ -275,7 +282,8 @@ class AsyncEngine:
                 self._close(out.request_id)
                 if metrics is not None:
                     metrics.observe_finished(timing, now)
-            stream.put(out)
+            # A request that failed (its grammar did not compile) raises in the reader.
+            stream.put(out if out.error is None else out.error)
         if metrics is not None:
             metrics.observe_tokens(sum(len(o.new_token_ids) for o in outputs))
 
