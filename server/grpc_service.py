@@ -16,6 +16,7 @@ import grpc
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.scheduler import DuplicateRequestError
+from tokenbudget.core.structured_output import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.async_engine import AsyncEngine, EngineDeadError
 
@@ -61,7 +62,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     msg.usage.completion_tokens = completion
                     msg.usage.cached_tokens = chunk.num_cached_tokens
                 yield msg
-        except ValueError as exc:  # rejected by the scheduler after queueing
+        except GrammarTimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except ValueError as exc:  # rejected after queueing (e.g. a grammar that failed)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -75,10 +78,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             params = convert.sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
-        if params.structured is not None and \
-                engine.core.scheduler.structured_output_manager is None:
-            raise ValueError("sampling_params.structured: structured output is not enabled "
-                             "on this server")
+        if params.structured is not None:
+            manager = engine.core.scheduler.structured_output_manager
+            if manager is None:
+                raise ValueError("sampling_params.structured: structured output is not enabled "
+                                 "on this server")
+            try:  # parsing only (milliseconds); the compile runs off the engine loop
+                manager.validate(params.structured)
+            except ValueError as exc:
+                raise ValueError(f"sampling_params.{exc}") from None
         token_ids, features = engine.input_processor.process(self._prompt(request))
         eos, *more_eos = engine.eos_token_ids or [None]
         if more_eos and not params.ignore_eos:
