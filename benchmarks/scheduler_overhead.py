@@ -70,21 +70,10 @@ def make_workloads(names: list[str], decode_sizes: list[int], seed: int = 0) -> 
 
 
 # -- engines -------------------------------------------------------------------
-class TokenbudgetEngine:
-    name = "tokenbudget"
-
-    def __init__(self, w: Workload, policy: str = "fcfs") -> None:
-        from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
-                                      Scheduler, SchedulerConfig)
-        self._mro = ModelRunnerOutput
-        self.sched = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=w.max_num_seqs,
-                            max_model_len=2048, policy=policy),
-            CacheConfig(block_size=BLOCK_SIZE, num_blocks=w.num_blocks,
-                        enable_prefix_caching=True))
-        params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
-        for i, p in enumerate(w.prompts):
-            self.sched.add_request(Request(str(i), p, params, arrival_time=float(i)))
+class FakeModelDriver:
+    """Shared by both engines: ``self.sched`` is a scheduler whose requests
+    expose num_computed_tokens / num_tokens; ``make_output`` builds that
+    engine's ModelRunnerOutput from request ids and sampled lists."""
 
     def schedule(self):
         return self.sched.schedule()
@@ -96,10 +85,7 @@ class TokenbudgetEngine:
             r = reqs[rid]
             ids.append(rid)
             sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
-        return self._mro(ids, {r: i for i, r in enumerate(ids)}, sampled)
-
-    def update(self, so, out):
-        self.sched.update_from_output(so, out)
+        return self.make_output(ids, {r: i for i, r in enumerate(ids)}, sampled)
 
     def all_decoding(self, so) -> bool:
         return not so.scheduled_new_reqs and len(so.num_scheduled_tokens) == \
@@ -107,6 +93,26 @@ class TokenbudgetEngine:
 
     def done(self) -> bool:
         return not self.sched.has_unfinished_requests()
+
+
+class TokenbudgetEngine(FakeModelDriver):
+    name = "tokenbudget"
+
+    def __init__(self, w: Workload, policy: str = "fcfs") -> None:
+        from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
+                                      Scheduler, SchedulerConfig)
+        self.make_output = ModelRunnerOutput
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=w.max_num_seqs,
+                            max_model_len=2048, policy=policy),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=w.num_blocks,
+                        enable_prefix_caching=True))
+        params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
+        for i, p in enumerate(w.prompts):
+            self.sched.add_request(Request(str(i), p, params, arrival_time=float(i)))
+
+    def update(self, so, out):
+        self.sched.update_from_output(so, out)
 
     def stats(self) -> dict:
         s = self.sched.make_stats()

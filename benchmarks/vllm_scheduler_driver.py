@@ -12,8 +12,7 @@ import json
 import os
 import tempfile
 
-BLOCK_SIZE = 16
-BUDGET = 8192
+from scheduler_overhead import BLOCK_SIZE, BUDGET, FakeModelDriver
 
 
 def _tiny_llama_dir() -> str:
@@ -27,7 +26,7 @@ def _tiny_llama_dir() -> str:
     return d
 
 
-class VllmEngine:
+class VllmEngine(FakeModelDriver):
     name = "vllm"
 
     def __init__(self, w) -> None:
@@ -42,7 +41,9 @@ class VllmEngine:
         from vllm.v1.request import Request
         from vllm.v1.structured_output import StructuredOutputManager
 
-        self._mro = ModelRunnerOutput
+        self.make_output = lambda ids, index, sampled: ModelRunnerOutput(
+            req_ids=ids, req_id_to_index=index, sampled_token_ids=sampled, logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=[])
         model_config = ModelConfig(model=_tiny_llama_dir(), skip_tokenizer_init=True,
                                    max_model_len=2048, dtype="float16", seed=0)
         sched_config = SchedulerConfig(max_num_seqs=w.max_num_seqs,
@@ -74,17 +75,6 @@ class VllmEngine:
         self._preemptions += len(getattr(so, "preempted_req_ids", None) or ())
         return so
 
-    def fake_model(self, so):
-        reqs = self.sched.requests
-        ids, sampled = [], []
-        for rid in so.num_scheduled_tokens:
-            r = reqs[rid]
-            ids.append(rid)
-            sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
-        return self._mro(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                         sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                         pooler_output=[])
-
     def update(self, so, out):
         outs = self.sched.update_from_output(so, out)
         for eco in outs.values():
@@ -92,13 +82,6 @@ class VllmEngine:
             if stats is not None and stats.prefix_cache_stats is not None:
                 self._queries += stats.prefix_cache_stats.queries
                 self._hits += stats.prefix_cache_stats.hits
-
-    def all_decoding(self, so) -> bool:
-        return not so.scheduled_new_reqs and len(so.num_scheduled_tokens) == \
-            so.total_num_scheduled_tokens == len(self.sched.running)
-
-    def done(self) -> bool:
-        return not self.sched.has_unfinished_requests()
 
     def stats(self) -> dict:
         rate = self._hits / self._queries if self._queries else 0.0

@@ -161,3 +161,16 @@ def hf_generate_vl_ids(model, prompt_token_ids: list[int], mm_features: list,
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0, len(prompt_token_ids):].tolist()
+
+
+def random_png(height: int, width: int, seed: int) -> bytes:
+    """A random RGB image of the given size, PNG-encoded (test and demo input)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

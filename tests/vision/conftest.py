@@ -2,12 +2,12 @@
 their loaded models and processors, and small test images."""
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
+
+from tokenbudget.worker.tiny_vl_models import random_png
 
 torch.set_num_threads(1)
 
@@ -48,26 +48,16 @@ def vl(request) -> VL:
     return request.getfixturevalue(request.param)
 
 
-def png_bytes(height: int, width: int, seed: int) -> bytes:
-    """A random RGB image of the given size, PNG-encoded."""
-    from PIL import Image
-
-    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="session")
 def images() -> list[bytes]:
     """Two images of different shapes (several merged tokens each, more than one
     attention window for Qwen2.5-VL)."""
-    return [png_bytes(60, 90, seed=1), png_bytes(70, 120, seed=2)]
+    return [random_png(60, 90, seed=1), random_png(70, 120, seed=2)]
 
 
 @pytest.fixture(scope="session")
 def make_png():
-    return png_bytes
+    return random_png
 
 
 def user_chat(*parts) -> list[dict]:

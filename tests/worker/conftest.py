@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_qwen3
+from tokenbudget.worker.tiny_vl_models import random_png
 
 # Mixed prompt lengths: short, a block boundary (16), long ones that chunk.
 PROMPT_LENS = (3, 7, 16, 33, 64, 100, 180, 300)
@@ -49,21 +50,10 @@ def hf_greedy_16(hf_greedy, prompts) -> list[list[int]]:
     return [hf_greedy(p, 16) for p in prompts]
 
 
-def png_bytes(height: int, width: int, seed: int) -> bytes:
-    import io
-
-    from PIL import Image
-
-    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="session")
 def vl_chats() -> list[list[dict]]:
     """Two chats sharing one image; the first has two images."""
-    a, b = png_bytes(60, 90, seed=1), png_bytes(70, 120, seed=2)
+    a, b = random_png(60, 90, seed=1), random_png(70, 120, seed=2)
     return [
         [{"role": "user", "content": [{"type": "text", "text": "Compare"},
                                       {"type": "image", "image": a}, {"type": "text", "text": "with"},
