@@ -83,6 +83,7 @@ def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = Fals
             if not isinstance(value, (dict, bool)):
                 raise GrammarError("structured.json_schema must be a JSON object, got "
                                    f"{type(value).__name__}")
+            value = _bounded_strings_as_patterns(value)
             return xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=any_whitespace)
         if kind == "json_object":
             return xgr.Grammar.builtin_json_grammar()
@@ -97,6 +98,28 @@ def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = Fals
         raise
     except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
         raise GrammarError(f"structured.{kind}: {_clean(exc)}") from None
+
+
+# Keys whose values are data, not subschemas.
+_SCHEMA_DATA_KEYS = frozenset(("enum", "const", "default", "examples"))
+
+
+def _bounded_strings_as_patterns(schema: Any) -> Any:
+    """Rewrite ``{"type": "string", "minLength"/"maxLength"}`` (no pattern) as
+    the equivalent ``pattern``. xgrammar (0.2.8, issue mlc-ai/xgrammar#800)
+    lowers length bounds to a character class that admits raw control
+    characters, which is not JSON; its pattern path excludes them."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _SCHEMA_DATA_KEYS else _bounded_strings_as_patterns(v)
+           for k, v in schema.items()}
+    if out.get("type") == "string" and "pattern" not in out and "format" not in out and \
+            ("minLength" in out or "maxLength" in out):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^.{{{low},{high}}}$"
+    return out
 
 
 class StructuredOutputManager:

@@ -1,0 +1,34 @@
+"""One tiny random-weight Qwen3 (byte-level BPE tokenizer) and one LLM over
+it for the whole folder; its unconstrained text is garbage, so anything
+well-formed it emits is the grammar's doing."""
+from __future__ import annotations
+
+import pytest
+
+from tokenbudget.core import SamplingParams
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model):
+    from tokenbudget.server import LLM
+
+    llm = LLM(tiny_model, num_gpu_blocks=512, max_num_seqs=64, max_model_len=1024)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def sample(llm):
+    """generate() of ``n`` temperature-1 runs under ``structured`` (seeds 0..n-1)."""
+    def run(structured: dict, n: int = 50, max_tokens: int = 200, prompt: str = "Answer:"):
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
+                                 structured=structured) for s in range(n)]
+        return llm.generate([prompt] * n, params)
+    return run
