@@ -32,3 +32,28 @@ def sample(llm):
                                  structured=structured) for s in range(n)]
         return llm.generate([prompt] * n, params)
     return run
+
+
+@pytest.fixture(scope="session")
+def llm_async(tiny_model):
+    """The same engine with async (overlap) scheduling."""
+    from tokenbudget.server import LLM
+
+    llm = LLM(tiny_model, num_gpu_blocks=512, max_num_seqs=64, max_model_len=1024,
+              async_scheduling=True)
+    yield llm
+    llm.shutdown()
+
+
+def assert_no_leaks(llm) -> None:
+    """No request left, every KV block free, pool invariants hold."""
+    sched = llm.engine.scheduler
+    assert not sched.has_unfinished_requests()
+    pool = sched.kv_cache_manager.block_pool
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+
+
+@pytest.fixture
+def no_leaks():
+    return assert_no_leaks
