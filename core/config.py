@@ -4,6 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "lof", "random")
+# SchedulerConfig fields of the SGLang-style policies, exposed as CLI flags and
+# LLM(...) keyword arguments under the same names.
+POLICY_OPTIONS = (
+    "priority_descending", "lpm_fallback_queue_len", "cache_aware_window",
+    "in_batch_prefix_check_threshold", "in_batch_prefix_deprioritize_threshold",
+    "aging_bound_s", "random_seed", "admission_reserve", "preemption_mode",
+    "priority_preemption_threshold", "max_queued_requests",
+)
 
 
 @dataclass(slots=True)

@@ -76,6 +76,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="schedule step N+1 only after step N returned (default: overlap them)")
 
+    g = p.add_argument_group("scheduling policy (SGLang-style)")
+    g.add_argument("--max-queued-requests", type=int, default=0,
+                   help="waiting requests beyond this are refused with RESOURCE_EXHAUSTED; with "
+                   "--policy priority the worst queued one is evicted for a strictly better "
+                   "newcomer (default 0: unlimited)")
+    g.add_argument("--priority-descending", action="store_true",
+                   help="--policy priority: higher values run first (default: lower first)")
+    g.add_argument("--priority-preemption-threshold", type=int, default=10,
+                   help="--policy priority: a waiting request may preempt running ones whose "
+                   "priority is worse by more than this; negative disables (default %(default)s)")
+    g.add_argument("--preemption-mode", choices=["vllm", "retract"], default="vllm",
+                   help="victim on memory shortage: vllm (last admitted / worst priority) or "
+                   "retract (fewest generated tokens, then longest prompt) (default %(default)s)")
+    g.add_argument("--admission-reserve", dest="admission_reserve", action="store_true",
+                   default=None, help="reserve KV for running requests' expected output when "
+                   "admitting (default: on for lpm/dfs-weight/lof/random, off for fcfs/priority)")
+    g.add_argument("--no-admission-reserve", dest="admission_reserve", action="store_false")
+    g.add_argument("--aging-bound-s", type=float, default=30.0,
+                   help="lpm/dfs-weight: requests waiting longer than this go first, in arrival "
+                   "order; 0 disables (default %(default)s)")
+    g.add_argument("--lpm-fallback-queue-len", type=int, default=128,
+                   help="lpm orders by cached prefix only while at most this many wait "
+                   "(default %(default)s)")
+    g.add_argument("--cache-aware-window", type=int, default=256,
+                   help="dfs-weight orders this many requests at the head of the queue "
+                   "(default %(default)s)")
+    g.add_argument("--in-batch-prefix-check-threshold", type=int, default=32,
+                   help="in-batch prefix deprioritisation applies to requests with at most this "
+                   "many cached tokens; 0 disables (default %(default)s)")
+    g.add_argument("--in-batch-prefix-deprioritize-threshold", type=int, default=32,
+                   help="...and sharing at least this many tokens with one chosen earlier in "
+                   "the round (default %(default)s)")
+    g.add_argument("--random-seed", type=int, default=0, help="seed of --policy random")
+
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block "
                    "(default %(default)s)")
@@ -95,7 +129,7 @@ def build_engine(args: argparse.Namespace, metrics=None):
     """An AsyncEngine for the parsed arguments (loads the model, sizes the KV cache)."""
     from transformers import AutoConfig
 
-    from tokenbudget.core.config import CacheConfig, SchedulerConfig
+    from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
     from tokenbudget.core.engine import EngineCore
     from tokenbudget.server.async_engine import AsyncEngine
     from tokenbudget.server.demo import ensure_demo_model
@@ -118,7 +152,8 @@ def build_engine(args: argparse.Namespace, metrics=None):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling,
+        **{name: getattr(args, name) for name in POLICY_OPTIONS})
     cache_config = CacheConfig(
         block_size=args.block_size, num_blocks=args.num_gpu_blocks,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -111,13 +111,14 @@ def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
             for m in prompt["messages"]:
                 _add_message(msg.chat.messages.add(role=m["role"]), m["content"])
             msg.chat.SetInParent()
-        elif "token_ids" in prompt:
-            msg.token_ids.ids.extend(prompt["token_ids"])
+        elif "prompt_token_ids" in prompt or "token_ids" in prompt:
+            # "prompt_token_ids" as LLM.generate takes it; "token_ids" also works.
+            msg.token_ids.ids.extend(prompt.get("prompt_token_ids", prompt.get("token_ids")))
             msg.token_ids.SetInParent()
         elif "text" in prompt:
             msg.text = prompt["text"]
         else:
-            raise ValueError("prompt dict needs 'messages', 'token_ids' or 'text'")
+            raise ValueError("prompt dict needs 'messages', 'prompt_token_ids' or 'text'")
         msg.images.extend(prompt.get("images", ()))
     else:
         msg.token_ids.ids.extend(prompt)

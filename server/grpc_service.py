@@ -15,7 +15,7 @@ import grpc
 
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
-from tokenbudget.core.scheduler import DuplicateRequestError
+from tokenbudget.core.scheduler import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured_output import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.async_engine import AsyncEngine, EngineDeadError
@@ -40,6 +40,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stream = self.engine.add_request(req)
         except DuplicateRequestError as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except QueueFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -64,6 +66,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 yield msg
         except GrammarTimeoutError as exc:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except QueueFullError as exc:  # the scheduler's queue, checked on the engine thread
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:  # rejected after queueing (e.g. a grammar that failed)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

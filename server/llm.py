@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
 from tokenbudget.core.engine import EngineCore
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
@@ -52,8 +52,15 @@ class LLM:
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  attention_backend: str = "auto", async_scheduling: bool = False,
                  seed: int = 0, trust_remote_code: bool = False,
-                 grammar_compile_timeout_s: float = 30.0) -> None:
+                 grammar_compile_timeout_s: float = 30.0, **policy_options) -> None:
+        """``policy_options``: the SGLang-style scheduling options of
+        ``SchedulerConfig`` (``core.config.POLICY_OPTIONS``), e.g.
+        ``max_queued_requests=100`` or ``preemption_mode="retract"``."""
         import torch
+
+        unknown = sorted(set(policy_options) - set(POLICY_OPTIONS))
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine argument(s) {unknown}")
 
         from tokenbudget.worker.executor import InProcessExecutor
         from tokenbudget.worker.worker import Worker
@@ -71,7 +78,7 @@ class LLM:
         self.scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=policy, async_scheduling=async_scheduling)
+            policy=policy, async_scheduling=async_scheduling, **policy_options)
         self.cache_config = CacheConfig(
             block_size=block_size, num_blocks=num_gpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
