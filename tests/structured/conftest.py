@@ -57,3 +57,17 @@ def assert_no_leaks(llm) -> None:
 @pytest.fixture
 def no_leaks():
     return assert_no_leaks
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def model_vocab_size(tiny_model) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_model).vocab_size
