@@ -236,7 +236,10 @@ class AsyncEngine:
                 if core.has_unfinished_requests():
                     self._dispatch(core.step())
                     if self.metrics is not None:
-                        self.metrics.maybe_observe_engine(self._make_stats)
+                        if core.has_unfinished_requests():
+                            self.metrics.maybe_observe_engine(self._make_stats)
+                        else:  # going idle: the gauges must not keep the last busy value
+                            self.metrics.observe_engine(self._make_stats())
         except BaseException as exc:  # a worker died or the engine has a bug
             logger.exception("engine loop failed; failing every request")
             self._error = exc

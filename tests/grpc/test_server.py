@@ -181,6 +181,21 @@ def test_metrics_endpoint_counts_generated_tokens_and_latencies(cluster, client)
         assert f"tokenbudget:{name}" in values
 
 
+def test_metrics_gauges_drop_to_zero_when_the_engine_goes_idle(cluster, client):
+    client.generate("gauges please", GREEDY)
+    for _ in range(100):  # the engine thread observes right after its last step
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in body.splitlines() if line.startswith("tokenbudget:") and "{" in line}
+        if values["tokenbudget:num_requests_running"] == 0:
+            break
+        time.sleep(0.02)
+    assert values["tokenbudget:num_requests_running"] == 0
+    assert values["tokenbudget:num_requests_waiting"] == 0
+    assert values["tokenbudget:kv_cache_usage_perc"] == 0
+
+
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(cluster):
     from tokenbudget.server.client import Client
 
