@@ -288,12 +288,19 @@ class ModelRunner:
                 src.extend(range(k, k + n))
                 dst.extend(range(first_row[rid], first_row[rid] + n))
             k += n
-        if dst:
-            bitmask = torch.from_numpy(np.asarray(so.grammar_bitmask)[src])
-            dst_t = torch.tensor(dst, device=logits.device)
-            rows = logits.index_select(0, dst_t)
-            apply_token_bitmask(rows, bitmask)
-            logits.index_copy_(0, dst_t, rows)
+        if not dst:
+            return
+        bitmask = np.asarray(so.grammar_bitmask)
+        if src != list(range(len(bitmask))):
+            bitmask = bitmask[src]
+        if dst == list(range(len(row_req))):
+            # Every sampled row is constrained, in order: mask in place.
+            apply_token_bitmask(logits, torch.from_numpy(bitmask))
+            return
+        dst_t = torch.tensor(dst, device=logits.device)
+        rows = logits.index_select(0, dst_t)
+        apply_token_bitmask(rows, torch.from_numpy(bitmask))
+        logits.index_copy_(0, dst_t, rows)
 
     def _make_output(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray, ids: list[int],
                      lps) -> ModelRunnerOutput:
