@@ -145,6 +145,9 @@ class StructuredOutputManager:
         self._compile_threads = compile_threads
         self._fill_threads = fill_threads
         self._compiler_lock = threading.Lock()
+        # Spec keys that parsed (validate runs on server threads, hence the lock).
+        self._valid_lock = threading.Lock()
+        self._valid: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
         self._batch = None
@@ -163,7 +166,16 @@ class StructuredOutputManager:
     def validate(self, params: StructuredOutputParams) -> None:
         """Parse the spec now (milliseconds, no tokenizer work) so a bad one is
         refused at submission with a GrammarError naming the problem."""
+        key = params.key()
+        with self._valid_lock:
+            if key in self._valid:
+                self._valid.move_to_end(key)
+                return
         parse_grammar(params, any_whitespace=self.any_whitespace)
+        with self._valid_lock:
+            self._valid[key] = None
+            while len(self._valid) > self.cache_size:
+                self._valid.popitem(last=False)
 
     def compile(self, params: StructuredOutputParams):
         """Parse and compile a spec for this tokenizer (blocking, uncached)."""
