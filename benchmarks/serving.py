@@ -203,15 +203,18 @@ def cmd_codec(args) -> None:
         for i in range(n):
             sched.add_request(Request(f"req-{i}", [rng.randrange(1, 32000) for _ in range(512)],
                                       SamplingParams(max_tokens=256, ignore_eos=True)))
+        # The engine's encoder and a worker's decoder: they share request handles.
+        encoder, decoder = convert.SchedulerOutputEncoder(), convert.SchedulerOutputDecoder()
+        reply_decoder = convert.ModelRunnerOutputDecoder()
         t = {"schedule": 0.0, "update": 0.0, "encode": 0.0, "decode": 0.0}
         steps = 0
         while sched.has_unfinished_requests():
             a = time.perf_counter()
             so = sched.schedule()
             b = time.perf_counter()
-            wire = convert.scheduler_output_to_proto(so).SerializeToString()
+            wire = encoder.encode(so).SerializeToString()
             c = time.perf_counter()
-            so2 = convert.scheduler_output_from_proto(worker_pb2.SchedulerOutput.FromString(wire))
+            so2 = decoder.decode(worker_pb2.SchedulerOutput.FromString(wire))
             d = time.perf_counter()
             # What the worker answers: one token per request whose prefill is done.
             req_ids = list(so2.num_scheduled_tokens)
@@ -222,8 +225,8 @@ def cmd_codec(args) -> None:
             e = time.perf_counter()
             wire2 = convert.model_runner_output_to_proto(mro, 0, req_ids).SerializeToString()
             f = time.perf_counter()
-            mro2 = convert.model_runner_output_from_proto(
-                worker_pb2.ModelRunnerOutput.FromString(wire2), list(so.num_scheduled_tokens))
+            mro2 = reply_decoder.decode(worker_pb2.ModelRunnerOutput.FromString(wire2),
+                                        list(so.num_scheduled_tokens))
             g = time.perf_counter()
             sched.update_from_output(so, mro2)
             h = time.perf_counter()

@@ -7,8 +7,13 @@ scheduler side (core) stays torch-free.
 from __future__ import annotations
 
 import json
-from itertools import chain, islice
+import struct
+import sys
+from array import array
+from itertools import chain, compress, islice, repeat
 from numbers import Integral, Real
+from operator import itemgetter
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
@@ -184,132 +189,311 @@ def configs_from_proto(msg: worker_pb2.InitializeRequest) -> tuple[CacheConfig, 
     return cache, sched
 
 
-# -- ragged lists ---------------------------------------------------------------------
+# -- int32 arrays and ragged lists ------------------------------------------------------
+
+# "I32" fields (see worker.proto): little-endian int32 bytes, converted in one
+# C call each way (struct packs a list faster than array or numpy do).
+_BIG_ENDIAN = sys.byteorder == "big"
+if array("i").itemsize != 4:  # pragma: no cover - every platform we run on
+    raise ImportError("tokenbudget.proto.convert needs a 4-byte C int")
+
+
+def _i32(values: Collection[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(values)}i", *values)
+    except struct.error as exc:
+        raise ValueError(f"cannot send {list(values)[:8]}... as int32: {exc}") from None
+
+
+def _i32_list(data: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(data)
+    if _BIG_ENDIAN:  # pragma: no cover
+        a.byteswap()
+    return a.tolist()
+
+
+def _pick(table, keys: list) -> Sequence:
+    """[table[k] for k in keys], at C speed (a tuple when more than one)."""
+    if len(keys) > 1:
+        return itemgetter(*keys)(table)
+    return [table[k] for k in keys]
+
+
+_INDEX: list[int] = list(range(1024))
+
+
+def _index(n: int) -> list[int]:
+    """0, 1, ... (at least n of them), shared: cheaper than a fresh range's ints."""
+    global _INDEX
+    if len(_INDEX) < n:
+        _INDEX = list(range(max(n, 2 * len(_INDEX))))
+    return _INDEX
 
 
 def _ragged_to_proto(lists: list[list[int]], out: worker_pb2.RaggedIds) -> None:
-    out.counts.extend([len(x) for x in lists])
-    out.flat.extend(chain.from_iterable(lists))
+    n = len(lists)
+    out.num_lists = n
+    if n and len(lists[0]) == 1:
+        try:
+            singles = [x for (x,) in lists]  # decode steps: every request sampled one token
+        except ValueError:
+            pass
+        else:
+            out.flat = _i32(singles)
+            return
+    rows = list(compress(_index(n), lists))
+    if 2 * len(rows) <= n:  # mostly empty (decode steps: few requests get a new block)
+        out.sparse = True
+        out.rows = _i32(rows)
+        lists = [lists[i] for i in rows]
+    out.counts = _i32([len(x) for x in lists])
+    out.flat = _i32(list(chain.from_iterable(lists)))
 
 
-def _sparse_ragged_to_proto(lists: list[list[int]], out: worker_pb2.RaggedIds) -> None:
-    rows = [i for i, x in enumerate(lists) if x]
-    out.num_lists = len(lists)
-    out.rows.extend(rows)
-    out.counts.extend([len(lists[i]) for i in rows])
-    out.flat.extend(chain.from_iterable(lists[i] for i in rows))
-
-
-def _ragged_from_proto(msg: worker_pb2.RaggedIds) -> list[list[int]]:
-    # Decode steps are the hot path: every list one token, or (sparse) almost
-    # every list empty; splitting generically costs several times more.
-    counts = msg.counts
-    if msg.num_lists:
-        lists: list[list[int]] = [[] for _ in range(msg.num_lists)]
-        it = iter(msg.flat)
-        for row, n in zip(msg.rows, counts):
-            lists[row] = list(islice(it, n))
+def _ragged_from_proto(msg: worker_pb2.RaggedIds, share_empty: bool = False,
+                       ) -> list[list[int]]:
+    """``share_empty``: the empty lists of the sparse form are one shared list
+    (read-only by contract): a decode step then allocates a list per request
+    that got something, not per request."""
+    n = msg.num_lists
+    flat = _i32_list(msg.flat)
+    if msg.sparse:
+        lists = [[]] * n if share_empty else list(map(list, repeat((), n)))
+        start = 0
+        for row, count in zip(_i32_list(msg.rows), _i32_list(msg.counts)):
+            lists[row] = flat[start:start + count]
+            start += count
         return lists
-    if not msg.flat:
-        return [[] for _ in counts]
-    if len(msg.flat) == len(counts) and max(counts) == 1:  # sum n, none > 1: all ones
-        return [[x] for x in msg.flat]
-    it = iter(msg.flat)
-    return [list(islice(it, n)) for n in counts]
+    if not msg.counts:
+        if len(flat) != n:
+            raise ValueError(f"RaggedIds: {n} one-value lists but {len(flat)} values")
+        return [[x] for x in flat]
+    it = iter(flat)
+    return [list(islice(it, count)) for count in _i32_list(msg.counts)]
 
 
-def _id_lists_to_proto(d: dict[str, list[int]], out) -> None:
-    for key, ids in d.items():
-        out[key].ids.extend(ids)
+# -- SchedulerOutput (stateful: request handles) ----------------------------------------
 
 
-def _id_lists_from_proto(m) -> dict[str, list[int]]:
-    return {key: list(v.ids) for key, v in m.items()}
+class SchedulerOutputEncoder:
+    """Engine side of the ExecuteModel stream: SchedulerOutput -> protobuf.
+
+    Gives each request a small int handle the first time it is sent (see
+    worker.proto) and names it by that handle afterwards. One encoder feeds
+    every worker of an executor; each worker stream has its own decoder, and
+    messages must reach it in the order they were encoded.
+    """
+
+    def __init__(self) -> None:
+        self._handles: dict[str, int] = {}
+        self._free: list[int] = []  # retired handles, reused from the next step on
+        self._next = 0
+        # Steady decode steps repeat the last step's cached requests: reuse their handles.
+        self._last_cached_ids: list[str] | None = None
+        self._last_cached_handles = b""
+        self._last_counts: list[int] = []
+        self._last_counts_bytes = b""
+
+    def encode(self, so: SchedulerOutput, step_id: int = 0) -> worker_pb2.SchedulerOutput:
+        msg = worker_pb2.SchedulerOutput(
+            step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            num_common_prefix_blocks=so.num_common_prefix_blocks)
+        # Every field below is skipped when empty: decode steps send few.
+        finished = self._retire(so.finished_req_ids, msg) if so.finished_req_ids else ()
+        if so.preempted_req_ids:
+            handles = self._handles
+            msg.preempted_handles = _i32([handles[r] for r in so.preempted_req_ids
+                                          if r in handles])
+            msg.preempted_unsent_req_ids.extend(r for r in so.preempted_req_ids
+                                                if r not in handles)
+        if so.free_encoder_mm_hashes:
+            msg.free_encoder_mm_hashes.extend(so.free_encoder_mm_hashes)
+        new_ids = []
+        for r in so.scheduled_new_reqs:
+            _new_request_to_proto(r, self._assign(r.req_id), msg.scheduled_new_reqs.add())
+            new_ids.append(r.req_id)
+        cached = so.scheduled_cached_reqs
+        if cached.req_ids:
+            out = msg.scheduled_cached_reqs
+            if cached.req_ids != self._last_cached_ids:
+                self._last_cached_ids = list(cached.req_ids)
+                self._last_cached_handles = _i32(self._lookup(cached.req_ids))
+            out.handles = self._last_cached_handles
+            _ragged_to_proto(cached.new_block_ids, out.new_block_ids)
+            out.num_computed_tokens = _i32(cached.num_computed_tokens)
+            self._id_lists_to_proto(cached.resumed_token_ids, out.resumed_token_ids)
+        nst = so.num_scheduled_tokens
+        if nst:
+            if list(nst) != (cached.req_ids + new_ids if new_ids else cached.req_ids):
+                msg.scheduled_handles = _i32(self._lookup(list(nst)))
+            counts = list(nst.values())
+            if counts != self._last_counts:  # decode steps: all ones, step after step
+                self._last_counts, self._last_counts_bytes = counts, _i32(counts)
+            msg.num_scheduled_tokens = self._last_counts_bytes
+        self._id_lists_to_proto(so.scheduled_spec_decode_tokens, msg.scheduled_spec_decode_tokens)
+        self._id_lists_to_proto(so.scheduled_encoder_inputs, msg.scheduled_encoder_inputs)
+        if so.grammar_bitmask is not None:
+            tensor_to_proto(so.grammar_bitmask, msg.grammar_bitmask)
+        if so.structured_req_ids:
+            msg.structured_handles = _i32(self._lookup(so.structured_req_ids))
+        self._free.extend(finished)  # reusable from the next step on
+        return msg
+
+    def _retire(self, req_ids: set[str], msg: worker_pb2.SchedulerOutput) -> list[int]:
+        """Take the finished requests' handles away before new requests get
+        theirs, so a new request reusing a finished id in the same step gets a
+        fresh handle. Ids never sent have no handle and go by name."""
+        finished = []
+        for r in req_ids:
+            h = self._handles.pop(r, None)
+            if h is None:
+                msg.finished_unsent_req_ids.append(r)
+            else:
+                finished.append(h)
+        if finished:
+            msg.finished_handles = _i32(finished)
+            self._last_cached_ids = None  # a retired handle may come back for another id
+        return finished
+
+    def _assign(self, req_id: str) -> int:
+        handle = self._handles.get(req_id)
+        if handle is None:
+            if self._free:
+                handle = self._free.pop()
+            else:
+                handle, self._next = self._next, self._next + 1
+            self._handles[req_id] = handle
+        return handle
+
+    def _lookup(self, req_ids: list[str]) -> Sequence[int]:
+        try:
+            return _pick(self._handles, req_ids)
+        except KeyError as exc:
+            raise ValueError(f"request {exc.args[0]!r} has no handle: it was never sent to "
+                             "the worker as a new request, or it finished") from None
+
+    def _id_lists_to_proto(self, d: dict[str, list[int]], out) -> None:
+        for key, ids in d.items():
+            out[self._lookup([key])[0]].ids.extend(ids)
 
 
-# -- SchedulerOutput --------------------------------------------------------------------
+class SchedulerOutputDecoder:
+    """Worker side of one ExecuteModel stream: protobuf -> SchedulerOutput.
+    Keeps handle -> request id for the requests the stream has announced.
+
+    The output is read-only: rows of ``new_block_ids`` without new blocks
+    share one empty list (a steady decode step would otherwise allocate one
+    list per running request, and the garbage collector's passes with them).
+    """
+
+    def __init__(self) -> None:
+        self._ids: list[str | None] = []
+        # Steady decode steps repeat the last step's requests and counts: copying
+        # the last lists and dict beats rebuilding them. Keyed by the wire bytes.
+        self._last_handles = b""
+        self._last_req_ids: list[str] = []
+        self._last_nst_key: tuple[bytes, ...] | None = None
+        self._last_nst: dict[str, int] = {}
+
+    def decode(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+        # Fields are tested before they are converted: decode steps send few.
+        finished_handles = _i32_list(msg.finished_handles) if msg.finished_handles else []
+        finished = set(self._names(finished_handles))
+        if msg.finished_unsent_req_ids:
+            finished.update(msg.finished_unsent_req_ids)
+        preempted = set()
+        if msg.preempted_handles or msg.preempted_unsent_req_ids:
+            preempted.update(self._names(_i32_list(msg.preempted_handles)))
+            preempted.update(msg.preempted_unsent_req_ids)
+        if msg.scheduled_new_reqs or finished_handles:
+            self._last_handles, self._last_nst_key = b"", None  # handles change hands
+        new_reqs = [self._new_request_from_proto(m) for m in msg.scheduled_new_reqs]
+        c = msg.scheduled_cached_reqs
+        handles = c.handles
+        if handles and handles == self._last_handles:
+            req_ids = self._last_req_ids.copy()
+        else:
+            req_ids = self._names(_i32_list(handles))
+            self._last_handles, self._last_req_ids = handles, req_ids.copy()
+        cached = CachedRequestData(
+            req_ids=req_ids,
+            new_block_ids=_ragged_from_proto(c.new_block_ids, share_empty=True),
+            num_computed_tokens=_i32_list(c.num_computed_tokens),
+            resumed_token_ids=self._id_lists_from_proto(c.resumed_token_ids),
+        )
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=self._num_scheduled_tokens(msg, cached.req_ids, new_reqs),
+            total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens=self._id_lists_from_proto(
+                msg.scheduled_spec_decode_tokens),
+            scheduled_encoder_inputs=self._id_lists_from_proto(msg.scheduled_encoder_inputs),
+            num_common_prefix_blocks=msg.num_common_prefix_blocks,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+            free_encoder_mm_hashes=(list(msg.free_encoder_mm_hashes)
+                                    if msg.free_encoder_mm_hashes else []),
+            grammar_bitmask=(tensor_from_proto(msg.grammar_bitmask)
+                             if msg.HasField("grammar_bitmask") else None),
+            structured_req_ids=(self._names(_i32_list(msg.structured_handles))
+                                if msg.structured_handles else []),
+        )
+        for h in finished_handles:
+            self._ids[h] = None
+        return so
+
+    def _num_scheduled_tokens(self, msg: worker_pb2.SchedulerOutput, cached_ids: list[str],
+                              new_reqs: list[NewRequestData]) -> dict[str, int]:
+        key = (msg.scheduled_cached_reqs.handles, msg.scheduled_handles,
+               msg.num_scheduled_tokens)
+        if not new_reqs and key == self._last_nst_key:
+            return self._last_nst.copy()
+        order = (self._names(_i32_list(msg.scheduled_handles)) if msg.scheduled_handles
+                 else cached_ids + [r.req_id for r in new_reqs])
+        nst = dict(zip(order, _i32_list(msg.num_scheduled_tokens)))
+        self._last_nst_key, self._last_nst = (None if new_reqs else key), nst.copy()
+        return nst
+
+    def _names(self, handles: list[int]) -> list[str]:
+        try:
+            return list(_pick(self._ids, handles))
+        except IndexError:
+            raise ValueError(f"a step names request handles {handles} the stream never "
+                             "announced") from None
+
+    def _id_lists_from_proto(self, m) -> dict[str, list[int]]:
+        if not m:
+            return {}
+        return {self._names([h])[0]: list(v.ids) for h, v in m.items()}
+
+    def _new_request_from_proto(self, m: worker_pb2.NewRequest) -> NewRequestData:
+        ids = self._ids
+        if m.handle >= len(ids):
+            ids.extend([None] * (m.handle + 1 - len(ids)))
+        ids[m.handle] = m.req_id
+        features = [MultiModalFeature(f.mm_hash, f.offset, f.length, value_from_proto(f.data))
+                    for f in m.mm_features]
+        return NewRequestData(
+            req_id=m.req_id, prompt_token_ids=_i32_list(m.prompt_token_ids),
+            mm_features=features, sampling_params=sampling_params_from_proto(m.sampling_params),
+            block_ids=_i32_list(m.block_ids), num_computed_tokens=m.num_computed_tokens,
+            lora_id=m.lora_id if m.HasField("lora_id") else None)
 
 
-def scheduler_output_to_proto(so: SchedulerOutput, step_id: int = 0) -> worker_pb2.SchedulerOutput:
-    cached = so.scheduled_cached_reqs
-    msg = worker_pb2.SchedulerOutput(
-        step_id=step_id,
-        num_scheduled_tokens=so.num_scheduled_tokens.values(),
-        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-        num_common_prefix_blocks=so.num_common_prefix_blocks,
-        finished_req_ids=so.finished_req_ids,
-        preempted_req_ids=so.preempted_req_ids,
-        free_encoder_mm_hashes=so.free_encoder_mm_hashes,
-        structured_req_ids=so.structured_req_ids,
-    )
-    if list(so.num_scheduled_tokens) != _canonical_order(so):
-        msg.scheduled_req_ids.extend(so.num_scheduled_tokens)
-    for r in so.scheduled_new_reqs:
-        _new_request_to_proto(r, msg.scheduled_new_reqs.add())
-    out = msg.scheduled_cached_reqs
-    out.req_ids.extend(cached.req_ids)
-    _sparse_ragged_to_proto(cached.new_block_ids, out.new_block_ids)
-    out.num_computed_tokens.extend(cached.num_computed_tokens)
-    _id_lists_to_proto(cached.resumed_token_ids, out.resumed_token_ids)
-    _id_lists_to_proto(so.scheduled_spec_decode_tokens, msg.scheduled_spec_decode_tokens)
-    _id_lists_to_proto(so.scheduled_encoder_inputs, msg.scheduled_encoder_inputs)
-    if so.grammar_bitmask is not None:
-        tensor_to_proto(so.grammar_bitmask, msg.grammar_bitmask)
-    return msg
-
-
-def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
-    c = msg.scheduled_cached_reqs
-    cached = CachedRequestData(
-        req_ids=list(c.req_ids),
-        new_block_ids=_ragged_from_proto(c.new_block_ids),
-        num_computed_tokens=list(c.num_computed_tokens),
-        resumed_token_ids=_id_lists_from_proto(c.resumed_token_ids),
-    )
-    new_reqs = [_new_request_from_proto(r) for r in msg.scheduled_new_reqs]
-    order = msg.scheduled_req_ids or cached.req_ids + [r.req_id for r in new_reqs]
-    return SchedulerOutput(
-        scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=dict(zip(order, msg.num_scheduled_tokens)),
-        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-        scheduled_spec_decode_tokens=_id_lists_from_proto(msg.scheduled_spec_decode_tokens),
-        scheduled_encoder_inputs=_id_lists_from_proto(msg.scheduled_encoder_inputs),
-        num_common_prefix_blocks=msg.num_common_prefix_blocks,
-        finished_req_ids=set(msg.finished_req_ids),
-        preempted_req_ids=set(msg.preempted_req_ids),
-        free_encoder_mm_hashes=list(msg.free_encoder_mm_hashes),
-        grammar_bitmask=(tensor_from_proto(msg.grammar_bitmask)
-                         if msg.HasField("grammar_bitmask") else None),
-        structured_req_ids=list(msg.structured_req_ids),
-    )
-
-
-def _canonical_order(so: SchedulerOutput) -> list[str]:
-    return so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
-
-
-def _new_request_to_proto(r: NewRequestData, out: worker_pb2.NewRequest) -> None:
+def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewRequest) -> None:
     out.req_id = r.req_id
-    out.prompt_token_ids.extend(r.prompt_token_ids)
+    out.handle = handle
+    out.prompt_token_ids = _i32(r.prompt_token_ids)
     for f in r.mm_features:
         fm = out.mm_features.add(mm_hash=f.mm_hash, offset=f.offset, length=f.length)
         value_to_proto(f.data, fm.data)
     sampling_params_to_proto(r.sampling_params, out.sampling_params)
-    out.block_ids.extend(r.block_ids)
+    out.block_ids = _i32(r.block_ids)
     out.num_computed_tokens = r.num_computed_tokens
     if r.lora_id is not None:
         out.lora_id = r.lora_id
-
-
-def _new_request_from_proto(m: worker_pb2.NewRequest) -> NewRequestData:
-    features = [MultiModalFeature(f.mm_hash, f.offset, f.length, value_from_proto(f.data))
-                for f in m.mm_features]
-    return NewRequestData(
-        req_id=m.req_id, prompt_token_ids=list(m.prompt_token_ids), mm_features=features,
-        sampling_params=sampling_params_from_proto(m.sampling_params),
-        block_ids=list(m.block_ids), num_computed_tokens=m.num_computed_tokens,
-        lora_id=m.lora_id if m.HasField("lora_id") else None)
 
 
 # -- ModelRunnerOutput ------------------------------------------------------------------
@@ -340,27 +524,38 @@ def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
     return msg
 
 
-def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput,
-                                   scheduled_req_ids: list[str] | None = None,
-                                   ) -> ModelRunnerOutput:
-    """``scheduled_req_ids`` must be what the sender was given (see to_proto)."""
-    req_ids = list(msg.req_ids)
-    if not req_ids and msg.sampled_token_ids.counts:
-        if scheduled_req_ids is None:
-            raise ValueError("this ModelRunnerOutput omits its req_ids: pass the step's "
-                             "scheduled_req_ids")
-        req_ids = list(scheduled_req_ids)
-    logprobs = None
-    if msg.has_logprobs:
-        logprobs = [[dict(zip(t.token_ids, t.logprobs)) for t in rl.tokens] if rl.present
-                    else None for rl in msg.logprobs]
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=_ragged_from_proto(msg.sampled_token_ids),
-        logprobs=logprobs,
-        pooler_output=([value_from_proto(v) for v in msg.pooler_output]
-                       if msg.has_pooler_output else None),
-        spec_token_ids=(_ragged_from_proto(msg.spec_token_ids)
-                        if msg.has_spec_token_ids else None),
-    )
+class ModelRunnerOutputDecoder:
+    """Engine side: protobuf -> ModelRunnerOutput. Steady decode steps repeat
+    the last step's rows, so their req_id_to_index is copied, not rebuilt."""
+
+    def __init__(self) -> None:
+        self._last_req_ids: list[str] = []
+        self._last_index: dict[str, int] = {}
+
+    def decode(self, msg: worker_pb2.ModelRunnerOutput,
+               scheduled_req_ids: list[str] | None = None) -> ModelRunnerOutput:
+        """``scheduled_req_ids`` must be what the sender was given (see
+        model_runner_output_to_proto)."""
+        req_ids = list(msg.req_ids)
+        if not req_ids and msg.sampled_token_ids.num_lists:
+            if scheduled_req_ids is None:
+                raise ValueError("this ModelRunnerOutput omits its req_ids: pass the step's "
+                                 "scheduled_req_ids")
+            req_ids = list(scheduled_req_ids)
+        if req_ids != self._last_req_ids:
+            self._last_req_ids = req_ids.copy()
+            self._last_index = dict(zip(req_ids, range(len(req_ids))))
+        logprobs = None
+        if msg.has_logprobs:
+            logprobs = [[dict(zip(t.token_ids, t.logprobs)) for t in rl.tokens] if rl.present
+                        else None for rl in msg.logprobs]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=self._last_index.copy(),
+            sampled_token_ids=_ragged_from_proto(msg.sampled_token_ids),
+            logprobs=logprobs,
+            pooler_output=([value_from_proto(v) for v in msg.pooler_output]
+                           if msg.has_pooler_output else None),
+            spec_token_ids=(_ragged_from_proto(msg.spec_token_ids)
+                            if msg.has_spec_token_ids else None),
+        )

@@ -80,8 +80,9 @@ class MultiModalFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[_Union[_common_pb2.Value, _Mapping]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id")
+    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -89,90 +90,97 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     req_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    handle: int
+    prompt_token_ids: bytes
     mm_features: _containers.RepeatedCompositeFieldContainer[MultiModalFeature]
     sampling_params: _common_pb2.SamplingParams
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: bytes
     num_computed_tokens: int
     lora_id: int
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class RaggedIds(_message.Message):
-    __slots__ = ("counts", "flat", "num_lists", "rows")
-    COUNTS_FIELD_NUMBER: _ClassVar[int]
-    FLAT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_lists", "flat", "counts", "sparse", "rows")
     NUM_LISTS_FIELD_NUMBER: _ClassVar[int]
+    FLAT_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
-    counts: _containers.RepeatedScalarFieldContainer[int]
-    flat: _containers.RepeatedScalarFieldContainer[int]
     num_lists: int
-    rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, counts: _Optional[_Iterable[int]] = ..., flat: _Optional[_Iterable[int]] = ..., num_lists: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    flat: bytes
+    counts: bytes
+    sparse: bool
+    rows: bytes
+    def __init__(self, num_lists: _Optional[int] = ..., flat: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., sparse: _Optional[bool] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
-    __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "resumed_token_ids")
+    __slots__ = ("handles", "new_block_ids", "num_computed_tokens", "resumed_token_ids")
     class ResumedTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
+        key: int
         value: _common_pb2.TokenIds
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
-    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    handles: bytes
     new_block_ids: RaggedIds
-    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    resumed_token_ids: _containers.MessageMap[str, _common_pb2.TokenIds]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., new_block_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., resumed_token_ids: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ...) -> None: ...
+    num_computed_tokens: bytes
+    resumed_token_ids: _containers.MessageMap[int, _common_pb2.TokenIds]
+    def __init__(self, handles: _Optional[bytes] = ..., new_block_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., num_computed_tokens: _Optional[bytes] = ..., resumed_token_ids: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_req_ids", "preempted_req_ids", "free_encoder_mm_hashes", "grammar_bitmask", "structured_req_ids")
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids")
     class ScheduledSpecDecodeTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
+        key: int
         value: _common_pb2.TokenIds
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
     class ScheduledEncoderInputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
+        key: int
         value: _common_pb2.TokenIds
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_SPEC_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_ENCODER_INPUTS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMMON_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     FREE_ENCODER_MM_HASHES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
-    STRUCTURED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNSENT_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_UNSENT_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequest]
     scheduled_cached_reqs: CachedRequests
-    scheduled_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_handles: bytes
+    num_scheduled_tokens: bytes
     total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: _containers.MessageMap[str, _common_pb2.TokenIds]
-    scheduled_encoder_inputs: _containers.MessageMap[str, _common_pb2.TokenIds]
+    scheduled_spec_decode_tokens: _containers.MessageMap[int, _common_pb2.TokenIds]
+    scheduled_encoder_inputs: _containers.MessageMap[int, _common_pb2.TokenIds]
     num_common_prefix_blocks: int
-    finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    finished_handles: bytes
+    preempted_handles: bytes
     free_encoder_mm_hashes: _containers.RepeatedScalarFieldContainer[str]
     grammar_bitmask: _common_pb2.Tensor
-    structured_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    structured_handles: bytes
+    finished_unsent_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    preempted_unsent_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestLogprobs(_message.Message):
     __slots__ = ("present", "tokens")

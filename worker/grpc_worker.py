@@ -59,6 +59,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self._first_step is None:
                 self._first_step = start
             try:
+                if isinstance(so, Exception):
+                    raise so  # the step could not be decoded
                 out = self.worker.execute_model(so)
                 self._busy += time.perf_counter() - start
                 self._num_steps += 1
@@ -83,9 +85,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
+    decoder = convert.SchedulerOutputDecoder()  # this stream's request handles
     try:
         for msg in request_iterator:
-            inbox.put((msg.step_id, convert.scheduler_output_from_proto(msg)))
+            try:
+                so = decoder.decode(msg)
+            except Exception as exc:  # answered as this step's error; the stream ends
+                inbox.put((msg.step_id, exc))
+                return
+            inbox.put((msg.step_id, so))
     except grpc.RpcError:
         pass  # the engine went away; the stream is over
     finally:

@@ -58,6 +58,7 @@ class _Connection:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: deque[_Step] = deque()
+        self.decoder = convert.ModelRunnerOutputDecoder()
         self.reader: threading.Thread | None = None
 
     def requests(self):
@@ -79,6 +80,7 @@ class RemoteExecutor:
         self._connect_timeout = connect_timeout
         self._lock = threading.Lock()
         self._step_id = 0
+        self._encoder = convert.SchedulerOutputEncoder()
         self._error: WorkerUnavailableError | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
 
@@ -115,7 +117,7 @@ class RemoteExecutor:
                 step.future.set_exception(self._error)
                 return step.future
             self._step_id += 1
-            msg = convert.scheduler_output_to_proto(scheduler_output, self._step_id)
+            msg = self._encoder.encode(scheduler_output, self._step_id)
             # Queue before sending, under the lock, so replies match in order.
             for conn in self._conns:
                 conn.pending.append(step)
@@ -149,7 +151,7 @@ class RemoteExecutor:
                 if reply.error:
                     raise WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
                 if conn.rank == 0:
-                    step.output = convert.model_runner_output_from_proto(reply, step.req_ids)
+                    step.output = conn.decoder.decode(reply, step.req_ids)
                 with self._lock:
                     step.remaining -= 1
                     done = step.remaining == 0

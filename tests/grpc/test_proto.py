@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import filecmp
+import struct
 
 import numpy as np
 import pytest
@@ -72,35 +73,121 @@ def _assert_same(a, b):
         assert a == b and type(a) is type(b), (a, b)
 
 
+class _Wire:
+    """An engine encoder and a worker decoder joined by serialized bytes, as
+    over the ExecuteModel stream."""
+
+    def __init__(self):
+        self.encoder = convert.SchedulerOutputEncoder()
+        self.decoder = convert.SchedulerOutputDecoder()
+        self.step_id = 0
+
+    def send(self, so: SchedulerOutput) -> tuple[worker_pb2.SchedulerOutput, SchedulerOutput]:
+        self.step_id += 1
+        wire = self.encoder.encode(so, self.step_id).SerializeToString()
+        msg = worker_pb2.SchedulerOutput.FromString(wire)
+        assert msg.step_id == self.step_id
+        return msg, self.decoder.decode(msg)
+
+
+def _reply_round_trip(out: ModelRunnerOutput, order=None,
+                      decoder=None) -> tuple[worker_pb2.ModelRunnerOutput, ModelRunnerOutput]:
+    wire = convert.model_runner_output_to_proto(out, 3, order).SerializeToString()
+    msg = worker_pb2.ModelRunnerOutput.FromString(wire)
+    return msg, (decoder or convert.ModelRunnerOutputDecoder()).decode(msg, order)
+
+
+def _step(cached: list[str], nct: list[int], blocks=None, **kw) -> SchedulerOutput:
+    blocks = blocks or [[] for _ in cached]
+    return SchedulerOutput([], CachedRequestData(list(cached), blocks, nct),
+                           {r: 1 for r in cached}, len(cached), **kw)
+
+
+def _new(rid: str, prompt: list[int], blocks: list[int]) -> NewRequestData:
+    return NewRequestData(rid, prompt, [], SamplingParams(max_tokens=4), blocks, 0)
+
+
 def test_scheduler_output_round_trips_through_bytes_including_mm_tensors():
+    wire = _Wire()
+    # c, d and e were sent before: they are cached requests in the step under test.
+    wire.send(SchedulerOutput([_new(r, [1, 2], [1]) for r in "cde"], CachedRequestData(),
+                              {r: 2 for r in "cde"}, 6))
     so = _scheduler_output()
-    wire = convert.scheduler_output_to_proto(so, step_id=12).SerializeToString()
-    msg = worker_pb2.SchedulerOutput.FromString(wire)
-    assert msg.step_id == 12
-    back = convert.scheduler_output_from_proto(msg)
+    msg, back = wire.send(so)
     _assert_same(so, back)
     # The dict order of num_scheduled_tokens is the order requests run in.
     assert list(back.num_scheduled_tokens) == ["c", "a", "d", "b", "e"]
+    assert msg.scheduled_handles  # not the canonical order: sent explicitly
 
 
-def test_steady_decode_steps_send_each_request_id_once_each_way():
-    ids = ["r1", "r2", "r3"]
-    so = SchedulerOutput([], CachedRequestData(ids, [[], [9], []], [5, 6, 7]),
-                         {r: 1 for r in ids}, 3)
-    msg = convert.scheduler_output_to_proto(so)
-    assert not msg.scheduled_req_ids  # implied by the cached requests' order
-    _assert_same(so, convert.scheduler_output_from_proto(msg))
-    out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[4], [5], [6]])
-    reply = convert.model_runner_output_to_proto(out, 1, ids)
-    assert not reply.req_ids
-    _assert_same(out, convert.model_runner_output_from_proto(reply, ids))
+def test_steady_decode_steps_name_requests_by_handle_and_pack_everything():
+    wire = _Wire()
+    ids = [f"request-{i}" for i in range(5)]
+    wire.send(SchedulerOutput([_new(r, [1, 2, 3], [1]) for r in ids], CachedRequestData(),
+                              {r: 3 for r in ids}, 15))
+    for step in range(3):
+        so = _step(ids, [3 + step] * 5, [[], [9 + step], [], [], [4, 5]] if step else None)
+        msg, back = wire.send(so)
+        _assert_same(so, back)
+        # No request id travels on a decode step, only int32 arrays.
+        assert not any(r.encode() in msg.SerializeToString() for r in ids)
+        assert not msg.scheduled_handles  # the order is implied by the cached requests
+    out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[4], [5], [6], [7], [8]])
+    reply, back = _reply_round_trip(out, ids)
+    assert not reply.req_ids and not reply.sampled_token_ids.counts  # one packed array
+    _assert_same(out, back)
     with pytest.raises(ValueError, match="scheduled_req_ids"):
-        convert.model_runner_output_from_proto(reply)
+        convert.ModelRunnerOutputDecoder().decode(reply)
+
+
+def test_handles_follow_requests_through_finish_preempt_resume_and_id_reuse():
+    wire = _Wire()
+    steps = [
+        SchedulerOutput([_new("a", [1, 2], [1]), _new("b", [3], [2])], CachedRequestData(),
+                        {"a": 2, "b": 1}, 3),
+        _step(["a", "b"], [2, 1], [[3], []]),
+        _step(["a"], [3], preempted_req_ids={"b"}),
+        # a finishes and a new request reuses its id in the same step; x was
+        # aborted before it was ever sent.
+        SchedulerOutput([_new("a", [7, 7, 7], [5]), _new("c", [5, 6], [4])],
+                        CachedRequestData(), {"a": 3, "c": 2}, 5, finished_req_ids={"a", "x"}),
+        # b resumes with its whole table and tokens.
+        SchedulerOutput([], CachedRequestData(["a", "c", "b"], [[], [], [6, 7]], [3, 2, 0],
+                                              {"b": [3, 8]}),
+                        {"a": 1, "c": 1, "b": 2}, 4),
+        _step(["a", "b"], [4, 2], finished_req_ids={"c"}),
+        # c's handle is free again and goes to a new request d.
+        SchedulerOutput([_new("d", [9], [8])], CachedRequestData(["a", "b"], [[], []], [5, 3]),
+                        {"a": 1, "b": 1, "d": 1}, 3),
+    ]
+    msgs = []
+    for so in steps:
+        msg, back = wire.send(so)
+        _assert_same(so, back)
+        msgs.append(msg)
+
+    def handle(step: int, rid: str) -> int:
+        return next(m.handle for m in msgs[step].scheduled_new_reqs if m.req_id == rid)
+
+    assert list(msgs[3].finished_unsent_req_ids) == ["x"]  # never sent: goes by name
+    assert convert._i32_list(msgs[3].finished_handles) == [handle(0, "a")]
+    assert handle(3, "a") != handle(0, "a")  # the reused id got a fresh handle
+    assert convert._i32_list(msgs[2].preempted_handles) == [handle(0, "b")]
+    assert handle(6, "d") == handle(3, "c")  # retired handles come back
+
+
+def test_a_step_naming_an_unsent_request_is_refused():
+    with pytest.raises(ValueError, match="'ghost'"):
+        convert.SchedulerOutputEncoder().encode(_step(["ghost"], [1]))
+    msg = worker_pb2.SchedulerOutput(
+        scheduled_cached_reqs=worker_pb2.CachedRequests(handles=convert._i32([7])))
+    with pytest.raises(ValueError, match="never announced"):
+        convert.SchedulerOutputDecoder().decode(msg)
 
 
 def test_empty_scheduler_output_round_trips():
     so = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"gone"})
-    _assert_same(so, convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(so)))
+    _assert_same(so, _Wire().send(so)[1])
 
 
 def test_model_runner_output_round_trips_with_logprobs_drafts_and_pooler():
@@ -110,20 +197,28 @@ def test_model_runner_output_round_trips_with_logprobs_drafts_and_pooler():
         logprobs=[[{5: -0.5, 1: -1.25}], None, [{7: -0.125}, {8: -2.0}, {9: -3.5}]],
         pooler_output=[torch.ones(3), None, torch.zeros(2, dtype=torch.float16)],
         spec_token_ids=[[1, 2], [], [3]])
-    wire = convert.model_runner_output_to_proto(out).SerializeToString()
-    _assert_same(out, convert.model_runner_output_from_proto(
-        worker_pb2.ModelRunnerOutput.FromString(wire)))
-    plain = ModelRunnerOutput(["a"], {"a": 0}, [[4]])
-    _assert_same(plain, convert.model_runner_output_from_proto(
-        convert.model_runner_output_to_proto(plain)))
+    _assert_same(out, _reply_round_trip(out)[1])
+    decoder = convert.ModelRunnerOutputDecoder()
+    for sampled in ([[4]], [[]], [[1, 2]]):  # one decoder across steps of varying shape
+        plain = ModelRunnerOutput(["a"], {"a": 0}, sampled)
+        _assert_same(plain, _reply_round_trip(plain, ["a"], decoder)[1])
+    rows = [[] for _ in range(9)] + [[3, 4]]  # mostly empty: the sparse form
+    sparse = ModelRunnerOutput([str(i) for i in range(10)], {str(i): i for i in range(10)},
+                               rows)
+    msg, back = _reply_round_trip(sparse)
+    assert msg.sampled_token_ids.sparse
+    _assert_same(sparse, back)
 
 
-def test_token_ids_travel_packed():
-    so = SchedulerOutput([], CachedRequestData(["r"], [[1, 2, 3]], [5]), {"r": 1}, 1)
-    msg = convert.scheduler_output_to_proto(so)
-    ids = msg.scheduled_cached_reqs.new_block_ids.flat
-    # Packed varints: tag + length + 3 one-byte values, not 3 tagged fields.
-    assert len(worker_pb2.RaggedIds(flat=ids).SerializeToString()) == 5
+def test_token_ids_travel_as_packed_little_endian_int32():
+    so = SchedulerOutput([_new("r", [1, 2, 70000], [5, 6])], CachedRequestData(), {"r": 3}, 3)
+    new = _Wire().send(so)[0].scheduled_new_reqs[0]
+    # Byte for byte what a packed `repeated sfixed32` holds.
+    assert new.prompt_token_ids == struct.pack("<3i", 1, 2, 70000)
+    assert new.block_ids == struct.pack("<2i", 5, 6)
+    with pytest.raises(ValueError, match="int32"):
+        _Wire().send(SchedulerOutput([_new("r", [1 << 40], [1])], CachedRequestData(),
+                                     {"r": 1}, 1))
 
 
 def test_unset_sampling_fields_take_engine_defaults_and_bad_values_name_the_field():
