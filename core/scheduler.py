@@ -284,8 +284,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         threshold = cfg.long_prefill_token_threshold
         waiting = self.waiting
-        deprioritized = (self._order.reorder(waiting, kv, self.clock())
-                         if self._order is not None else ())
+        deprioritized = ()
+        if self._order is not None and step.token_budget > 0 and \
+                len(self.running) < cfg.max_num_seqs:
+            deprioritized = self._order.reorder(waiting, kv, self.clock())
         reserve = self._reserve
         reserved = reserve.reserve_blocks(self.running) if reserve is not None else 0.0
         skipped: list[Request] = []
