@@ -43,7 +43,9 @@ class Workload:
         return f"{self.name}-{len(self.prompts)}"
 
 
-def make_workloads(names: list[str], decode_sizes: list[int], seed: int = 0) -> list[Workload]:
+def make_workloads(names: list[str], decode_sizes: list[int], seed: int = 0,
+                   prefixes: int = 8, prefill_seqs: int = 256,
+                   prefill_blocks: int | None = None) -> list[Workload]:
     rng = random.Random(seed)
     vocab = 32000
 
@@ -57,11 +59,12 @@ def make_workloads(names: list[str], decode_sizes: list[int], seed: int = 0) -> 
             blocks = n * (512 + 256) // BLOCK_SIZE + n + 16
             out.append(Workload("decode", prompts, 256, n, blocks, steady_decode_only=True))
     if "prefill" in names:
-        prefixes = [rand_tokens(768) for _ in range(8)]
-        prompts = [prefixes[i % 8] + rand_tokens(256) for i in range(2000)]
+        shared = [rand_tokens(768) for _ in range(prefixes)]
+        prompts = [shared[i % prefixes] + rand_tokens(256) for i in range(2000)]
         rng.shuffle(prompts)
-        # Room for 256 running requests and the shared prefixes.
-        out.append(Workload("prefill", prompts, 16, 256, 256 * (1024 + 16) // BLOCK_SIZE + 512))
+        # Default: room for all running requests and the shared prefixes.
+        blocks = prefill_blocks or prefill_seqs * (1024 + 16) // BLOCK_SIZE + 512
+        out.append(Workload("prefill", prompts, 16, prefill_seqs, blocks))
     if "pressure" in names:
         prompts = [rand_tokens(512) for _ in range(256)]
         blocks = 256 * (512 + 256) // BLOCK_SIZE // 4 + 1
@@ -109,7 +112,7 @@ class TokenbudgetEngine(FakeModelDriver):
                         enable_prefix_caching=True))
         params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
         for i, p in enumerate(w.prompts):
-            self.sched.add_request(Request(str(i), p, params, arrival_time=float(i)))
+            self.sched.add_request(Request(str(i), p, params))
 
     def update(self, so, out):
         self.sched.update_from_output(so, out)
@@ -156,10 +159,15 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", sys.executable),
                     help="a Python with vllm installed, for --engine both")
     ap.add_argument("--repeat", type=int, default=1, help="runs per workload (median kept)")
+    ap.add_argument("--prefixes", type=int, default=8, help="prefill: shared prefixes")
+    ap.add_argument("--prefill-seqs", type=int, default=256, help="prefill: max_num_seqs")
+    ap.add_argument("--prefill-blocks", type=int, default=None,
+                    help="prefill: KV blocks (default: room for every running request)")
     args = ap.parse_args()
     names = args.workloads.split(",")
     sizes = [int(x) for x in args.decode_sizes.split(",")]
-    workloads = make_workloads(names, sizes)
+    workloads = make_workloads(names, sizes, prefixes=args.prefixes,
+                               prefill_seqs=args.prefill_seqs, prefill_blocks=args.prefill_blocks)
     for w in workloads:
         results = {}
         engines = ["tokenbudget", "vllm"] if args.engine == "both" else [args.engine]
@@ -190,7 +198,10 @@ def _best_of(engine: str, w: Workload, args) -> dict:
 def _run_vllm_subprocess(args, w: Workload) -> dict:
     cmd = [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm",
            "--workloads", w.name, "--decode-sizes", str(len(w.prompts)),
-           "--repeat", str(args.repeat)]
+           "--repeat", str(args.repeat), "--prefixes", str(args.prefixes),
+           "--prefill-seqs", str(args.prefill_seqs)]
+    if args.prefill_blocks:
+        cmd += ["--prefill-blocks", str(args.prefill_blocks)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"vllm run failed:\n{res.stderr[-3000:]}")

@@ -36,7 +36,7 @@ class SchedulerConfig:
     lpm_fallback_queue_len: int = 128
     # dfs-weight orders only this many requests at the head of the queue (the
     # rest wait behind them in FCFS order), bounding its per-step cost.
-    cache_aware_window: int = 256
+    cache_aware_window: int = 128
     # In-batch prefix deprioritisation (lpm, dfs-weight): requests whose cached
     # prefix is <= check tokens and that share >= deprioritize tokens with one
     # already chosen this round wait a round. 0 disables.

@@ -29,16 +29,20 @@ REORDERING_POLICIES = ("lpm", "dfs-weight", "lof", "random")
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 
 
-def cached_prefix_blocks(kv: KVCacheManager, req: Request) -> int:
+def cached_prefix_blocks(kv: KVCacheManager, req: Request, hint: int = -1) -> int:
     """Leading blocks of ``req`` present in the prefix cache.
 
     Binary search over the hash chain: a block is cached only if it was
     allocated after its whole prefix, and freeing releases a chain tail first,
     so cached blocks of a chain nearly always form a prefix. An ordering
-    heuristic only; admission looks up the exact hit.
+    heuristic only; admission looks up the exact hit. ``hint`` (the previous
+    answer) settles the common unchanged case in two lookups.
     """
     hashes = req.block_hashes
     cached = kv.block_pool.cached
+    if 0 <= hint <= len(hashes) and (hint == 0 or hashes[hint - 1] in cached) and \
+            (hint == len(hashes) or hashes[hint] not in cached):
+        return hint
     lo, hi = 0, len(hashes)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -59,6 +63,8 @@ class WaitingOrder:
         self.deprioritize_tokens = config.in_batch_prefix_deprioritize_threshold
         self.aging_s = config.aging_bound_s
         self._rng = random.Random(config.random_seed)
+        # Last cached-prefix length per request id (see cached_prefix_blocks).
+        self._hints: dict[str, int] = {}
 
     def reorder(self, waiting: FCFSQueue, kv: KVCacheManager, now: float) -> set[str]:
         """Reorder ``waiting`` in place for this step; return the ids of the
@@ -87,11 +93,11 @@ class WaitingOrder:
                 aged.sort(key=lambda r: r.arrival_time)
         deprioritized: set[str] = set()
         if self.policy == "lpm":
-            prefix = {id(r): cached_prefix_blocks(kv, r) for r in reqs}
+            prefix = self._cached_prefixes(kv, reqs)
             reqs.sort(key=lambda r: -prefix[id(r)])  # stable: FCFS among equals
             deprioritized = self._in_batch_deprioritize(reqs, prefix)
         elif self.policy == "dfs-weight":
-            prefix = {id(r): cached_prefix_blocks(kv, r) for r in reqs}
+            prefix = self._cached_prefixes(kv, reqs)
             reqs = _dfs_weight_order(reqs, prefix)
             deprioritized = self._in_batch_deprioritize(reqs, prefix)
         elif self.policy == "lof":
@@ -104,6 +110,17 @@ class WaitingOrder:
                 [r for r in ordered if r.request_id in deprioritized]
         waiting.reorder(ordered + rest if rest else ordered)
         return deprioritized
+
+    def _cached_prefixes(self, kv: KVCacheManager, reqs: list[Request]) -> dict[int, int]:
+        old = self._hints
+        hints: dict[str, int] = {}
+        prefix: dict[int, int] = {}
+        for r in reqs:
+            n = cached_prefix_blocks(kv, r, old.get(r.request_id, -1))
+            hints[r.request_id] = n
+            prefix[id(r)] = n
+        self._hints = hints  # requests that left the window drop out
+        return prefix
 
     def _in_batch_deprioritize(self, reqs: list[Request], prefix: dict[int, int]) -> set[str]:
         """Among requests with a short cached prefix, one that shares at least
@@ -152,16 +169,29 @@ def _dfs_weight_order(reqs: list[Request], prefix: dict[int, int]) -> list[Reque
                 children.setdefault(parent, []).append(h)
             weight[h] += len(members)
             parent = h
+    # Post-order: a node's subtrees (heaviest first) before the requests that
+    # stop at the node itself, so the deepest cached prefixes go first and
+    # cold requests (at the root) last.
     out: list[Request] = []
-    stack = [root]
+    stack: list[tuple[bytes, bool]] = [(root, False)]
     while stack:
-        node = stack.pop()
-        out.extend(at_node.get(node, ()))
+        node, expanded = stack.pop()
+        if expanded:
+            out.extend(at_node[node])
+            continue
+        # Walk down a run of single-child nodes (one per cached block) in one go.
+        if node in at_node:
+            stack.append((node, True))
         kids = children.get(node)
+        while kids is not None and len(kids) == 1:
+            node = kids[0]
+            if node in at_node:
+                stack.append((node, True))
+            kids = children.get(node)
         if kids:
             # Heaviest popped first; ties keep first-seen (arrival) order.
             kids = sorted(kids, key=lambda h: weight[h], reverse=True)
-            stack.extend(reversed(kids))
+            stack.extend((h, False) for h in reversed(kids))
     return out
 
 
@@ -197,7 +227,15 @@ class AdmissionReserve:
         return left * (1.0 if req.sampling_params.ignore_eos else self.ratio)
 
     def reserve_blocks(self, running: list[Request]) -> float:
-        return sum(self.future_tokens(r) for r in running) / self.block_size
+        clip = self.clip
+        eos = full = 0
+        for r in running:
+            left = min(r.max_tokens - len(r.output_token_ids), clip)
+            if r.sampling_params.ignore_eos:
+                full += left
+            else:
+                eos += left
+        return (eos * self.ratio + full) / self.block_size
 
 
 def make_victim_picker(config: SchedulerConfig) -> Callable[[list[Request]], Request]:

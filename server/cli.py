@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lpm-fallback-queue-len", type=int, default=128,
                    help="lpm orders by cached prefix only while at most this many wait "
                    "(default %(default)s)")
-    g.add_argument("--cache-aware-window", type=int, default=256,
+    g.add_argument("--cache-aware-window", type=int, default=128,
                    help="dfs-weight orders this many requests at the head of the queue "
                    "(default %(default)s)")
     g.add_argument("--in-batch-prefix-check-threshold", type=int, default=32,

@@ -72,9 +72,9 @@ def test_dfs_weight_groups_requests_by_cached_branch_heaviest_first(
     for rid, prompt in arrivals:
         sched.add_request(make_request(rid, prompt))
     ids, _ = order(sched)
-    # Root (cold) first; then the BASE branch (weight 4) before OTHER (3),
-    # depth first within it; arrival order among requests at one node.
-    assert ids == ["a", "b", "c", "d1", "d2", "y1", "y2", "y3"]
+    # The BASE branch (weight 4) before OTHER (3), deepest node first within
+    # a branch; cold requests (at the root) last; arrival order at one node.
+    assert ids == ["d1", "d2", "c", "b", "y1", "y2", "y3", "a"]
 
 
 def test_lof_orders_by_longest_remaining_output(make_scheduler, make_request):
@@ -304,6 +304,6 @@ def test_dfs_weight_orders_only_the_head_window(make_scheduler, make_request, st
                         ("cold2", tail(40, 950)), ("hot2", BASE + tail(5, 720))]:
         sched.add_request(make_request(rid, prompt))
     ids, _ = order(sched)
-    # The window [cold1, hot1] is ordered (root first); cold2 and hot2 keep
+    # The window [cold1, hot1] is ordered (cached first); cold2 and hot2 keep
     # their FCFS places behind it.
-    assert ids == ["cold1", "hot1", "cold2", "hot2"]
+    assert ids == ["hot1", "cold1", "cold2", "hot2"]
