@@ -117,13 +117,15 @@ class Scheduler:
             if f.offset + f.length > request.num_prompt_tokens:
                 raise ValueError(f"multimodal item {f.mm_hash} placeholder "
                                  f"[{f.offset}, {f.offset + f.length}) lies outside the prompt")
-        if request.sampling_params.structured is not None:
-            if self.structured_output_manager is None:
-                raise ValueError("structured output is not enabled on this engine")
-            self.structured_output_manager.add_request(request)
-            request.status = RequestStatus.WAITING_FOR_FSM
+        if request.sampling_params.structured is not None and \
+                self.structured_output_manager is None:
+            raise ValueError("structured output is not enabled on this engine")
+        # Last check that can refuse: nothing may be registered before it.
         if cfg.max_queued_requests and len(self.waiting) >= cfg.max_queued_requests:
             self._make_room_in_queue(request)
+        if request.sampling_params.structured is not None:
+            self.structured_output_manager.add_request(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
         if self.cache_config.enable_prefix_caching:
             # Hash the prompt's full blocks once, on arrival, off the step path.
             self.kv_cache_manager.hasher.update(request)
@@ -135,9 +137,7 @@ class Scheduler:
         if self.scheduler_config.policy == "priority":
             worst = self.waiting.worst()
             sign = self._priority_sign
-            if (sign * request.priority, request.arrival_time) < \
-                    (sign * worst.priority, worst.arrival_time) and \
-                    sign * request.priority != sign * worst.priority:
+            if sign * request.priority < sign * worst.priority:  # strictly better
                 self.finish_requests([worst.request_id], RequestStatus.FINISHED_ABORTED)
                 worst.stop_reason = "evicted from a full waiting queue by a higher-priority request"
                 self._side_outputs.append(RequestOutput(

@@ -30,3 +30,23 @@ def test_waiting_request_that_cannot_get_blocks_pins_no_encoder_entry(
     so, _ = step(sched)
     assert "img" not in so.num_scheduled_tokens
     assert ecm.cached["cat"] == set() and "cat" in ecm.freeable
+
+
+def test_refused_request_is_never_registered_with_the_grammar_manager(make_request):
+    from tokenbudget.core import CacheConfig, Scheduler, SchedulerConfig
+    from tokenbudget.core.scheduler import QueueFullError
+
+    class RecordingManager:
+        def __init__(self) -> None:
+            self.added: list[str] = []
+
+        def add_request(self, request) -> None:
+            self.added.append(request.request_id)
+
+    som = RecordingManager()
+    sched = Scheduler(SchedulerConfig(max_queued_requests=1), CacheConfig(num_blocks=64), som)
+    structured = {"regex": "[0-9]+"}
+    sched.add_request(make_request("a", 8, structured=structured))
+    with pytest.raises(QueueFullError):
+        sched.add_request(make_request("b", 8, structured=structured))
+    assert som.added == ["a"]
