@@ -16,6 +16,8 @@ import sys
 import threading
 from concurrent import futures
 
+from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+
 logger = logging.getLogger("tokenbudget.server")
 
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this HTTP port (default: off)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight (default %(default)s)")
+    g.add_argument("--gc-threshold", type=int, default=DEFAULT_GEN0_THRESHOLD,
+                   help="Python collector's generation-0 threshold, set after start-up when "
+                   "the heap is frozen (default %(default)s; CPython's own is 700)")
 
     g = p.add_argument_group("workers")
     g.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
@@ -267,10 +272,15 @@ def main(argv: list[str] | None = None) -> None:
         metrics = EngineMetrics(args.model or "demo")
         metrics.serve(args.metrics_port)
         logger.info("Prometheus metrics on :%d/metrics", args.metrics_port)
+    if args.gc_threshold < 1:
+        sys.exit(f"server: --gc-threshold must be >= 1, got {args.gc_threshold}")
     try:
         engine = build_engine(args, metrics)
     except ValueError as exc:
         sys.exit(f"server: {exc}")
+    # Start-up is done: freeze what it built and keep collections out of the steps.
+    policy = configure_gc(args.gc_threshold)
+    logger.info("gc: froze %d start-up objects; thresholds %s", policy.frozen, policy.thresholds)
     sys.exit(serve(args, engine))
 
 
