@@ -199,6 +199,8 @@ if array("i").itemsize != 4:  # pragma: no cover - every platform we run on
 
 
 def _i32(values: Collection[int]) -> bytes:
+    if not values:
+        return b""
     try:
         return struct.pack(f"<{len(values)}i", *values)
     except struct.error as exc:
@@ -206,6 +208,8 @@ def _i32(values: Collection[int]) -> bytes:
 
 
 def _i32_list(data: bytes) -> list[int]:
+    if not data:
+        return []
     a = array("i")
     a.frombytes(data)
     if _BIG_ENDIAN:  # pragma: no cover
@@ -243,6 +247,9 @@ def _ragged_to_proto(lists: list[list[int]], out: worker_pb2.RaggedIds) -> None:
             out.flat = _i32(singles)
             return
     rows = list(compress(_index(n), lists))
+    if not rows:  # decode steps between block boundaries: no request got a block
+        out.sparse = True
+        return
     if 2 * len(rows) <= n:  # mostly empty (decode steps: few requests get a new block)
         out.sparse = True
         out.rows = _i32(rows)
@@ -384,13 +391,15 @@ class SchedulerOutputDecoder:
 
     The output is read-only: rows of ``new_block_ids`` without new blocks
     share one empty list (a steady decode step would otherwise allocate one
-    list per running request, and the garbage collector's passes with them).
+    list per running request, and the garbage collector's passes with them),
+    and a step repeating the last one's requests and counts gets the same
+    ``req_ids`` list and ``num_scheduled_tokens`` dict as that step.
     """
 
     def __init__(self) -> None:
         self._ids: list[str | None] = []
-        # Steady decode steps repeat the last step's requests and counts: copying
-        # the last lists and dict beats rebuilding them. Keyed by the wire bytes.
+        # Steady decode steps repeat the last step's requests and counts: they
+        # get the last step's list and dict again. Keyed by the wire bytes.
         self._last_handles = b""
         self._last_req_ids: list[str] = []
         self._last_nst_key: tuple[bytes, ...] | None = None
@@ -412,10 +421,10 @@ class SchedulerOutputDecoder:
         c = msg.scheduled_cached_reqs
         handles = c.handles
         if handles and handles == self._last_handles:
-            req_ids = self._last_req_ids.copy()
+            req_ids = self._last_req_ids
         else:
             req_ids = self._names(_i32_list(handles))
-            self._last_handles, self._last_req_ids = handles, req_ids.copy()
+            self._last_handles, self._last_req_ids = handles, req_ids
         cached = CachedRequestData(
             req_ids=req_ids,
             new_block_ids=_ragged_from_proto(c.new_block_ids, share_empty=True),
@@ -449,11 +458,11 @@ class SchedulerOutputDecoder:
         key = (msg.scheduled_cached_reqs.handles, msg.scheduled_handles,
                msg.num_scheduled_tokens)
         if not new_reqs and key == self._last_nst_key:
-            return self._last_nst.copy()
+            return self._last_nst
         order = (self._names(_i32_list(msg.scheduled_handles)) if msg.scheduled_handles
                  else cached_ids + [r.req_id for r in new_reqs])
         nst = dict(zip(order, _i32_list(msg.num_scheduled_tokens)))
-        self._last_nst_key, self._last_nst = (None if new_reqs else key), nst.copy()
+        self._last_nst_key, self._last_nst = (None if new_reqs else key), nst
         return nst
 
     def _names(self, handles: list[int]) -> list[str]:
@@ -526,7 +535,8 @@ def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
 
 class ModelRunnerOutputDecoder:
     """Engine side: protobuf -> ModelRunnerOutput. Steady decode steps repeat
-    the last step's rows, so their req_id_to_index is copied, not rebuilt."""
+    the last step's rows, so they get the last step's req_id_to_index dict
+    again (read-only, like the whole output), not a new one."""
 
     def __init__(self) -> None:
         self._last_req_ids: list[str] = []
@@ -535,15 +545,15 @@ class ModelRunnerOutputDecoder:
     def decode(self, msg: worker_pb2.ModelRunnerOutput,
                scheduled_req_ids: list[str] | None = None) -> ModelRunnerOutput:
         """``scheduled_req_ids`` must be what the sender was given (see
-        model_runner_output_to_proto)."""
+        model_runner_output_to_proto); the output's req_ids is that list."""
         req_ids = list(msg.req_ids)
         if not req_ids and msg.sampled_token_ids.num_lists:
             if scheduled_req_ids is None:
                 raise ValueError("this ModelRunnerOutput omits its req_ids: pass the step's "
                                  "scheduled_req_ids")
-            req_ids = list(scheduled_req_ids)
+            req_ids = scheduled_req_ids
         if req_ids != self._last_req_ids:
-            self._last_req_ids = req_ids.copy()
+            self._last_req_ids = list(req_ids)  # the caller's list may change later
             self._last_index = dict(zip(req_ids, range(len(req_ids))))
         logprobs = None
         if msg.has_logprobs:
@@ -551,7 +561,7 @@ class ModelRunnerOutputDecoder:
                         else None for rl in msg.logprobs]
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index=self._last_index.copy(),
+            req_id_to_index=self._last_index,
             sampled_token_ids=_ragged_from_proto(msg.sampled_token_ids),
             logprobs=logprobs,
             pooler_output=([value_from_proto(v) for v in msg.pooler_output]
