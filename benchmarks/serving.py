@@ -190,16 +190,42 @@ def cmd_load(args) -> None:
 
 
 # -- codec overhead ---------------------------------------------------------------------
+class _GCTimer:
+    """Collector passes and their time while ``active`` (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.passes = [0, 0, 0]
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.active:
+            self.passes[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._start
+
+
 def cmd_codec(args) -> None:
+    import gc
+
     from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
                                   Scheduler, SchedulerConfig)
     from tokenbudget.proto import convert, worker_pb2
+    from tokenbudget.server.gc_policy import configure_gc
 
     rng = random.Random(0)
+    default_thresholds = gc.get_threshold()
     for n in args.sizes:
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=n,
                                           max_model_len=1024),
                           CacheConfig(block_size=16, num_blocks=n * 48 + 16))
+        # The server's policy, applied where the server applies it: after the
+        # engine (block pool included) is built, before requests arrive.
+        gc.set_threshold(*default_thresholds)
+        gc.unfreeze()
+        policy = configure_gc() if args.gc == "server" else None
         for i in range(n):
             sched.add_request(Request(f"req-{i}", [rng.randrange(1, 32000) for _ in range(512)],
                                       SamplingParams(max_tokens=256, ignore_eos=True)))
@@ -207,6 +233,8 @@ def cmd_codec(args) -> None:
         encoder, decoder = convert.SchedulerOutputEncoder(), convert.SchedulerOutputDecoder()
         reply_decoder = convert.ModelRunnerOutputDecoder()
         t = {"schedule": 0.0, "update": 0.0, "encode": 0.0, "decode": 0.0}
+        gc_timer = _GCTimer()
+        gc.callbacks.append(gc_timer)
         steps = 0
         while sched.has_unfinished_requests():
             a = time.perf_counter()
@@ -222,6 +250,8 @@ def cmd_codec(args) -> None:
                     for r in req_ids]
             mro = ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)},
                                     [[7] if x else [] for x in done])
+            steady = all(done) and len(req_ids) == n  # steady decode steps only are timed
+            gc_timer.active = steady
             e = time.perf_counter()
             wire2 = convert.model_runner_output_to_proto(mro, 0, req_ids).SerializeToString()
             f = time.perf_counter()
@@ -230,21 +260,28 @@ def cmd_codec(args) -> None:
             g = time.perf_counter()
             sched.update_from_output(so, mro2)
             h = time.perf_counter()
-            if all(done) and len(req_ids) == n:  # steady decode steps only
+            if steady:
                 steps += 1
                 t["schedule"] += b - a
                 t["encode"] += (c - b) + (f - e)
                 t["decode"] += (d - c) + (g - f)
                 t["update"] += h - g
                 sizes = (len(wire), len(wire2))
+        gc.callbacks.remove(gc_timer)
         per = {k: v / steps * 1e6 for k, v in t.items()}
         sched_us = per["schedule"] + per["update"]
         codec_us = per["encode"] + per["decode"]
         print(json.dumps({"mode": "codec", "running": n, "steps": steps,
+                          "gc": ({"policy": "server (configure_gc)",
+                                  "thresholds": policy.thresholds, "frozen": policy.frozen}
+                                 if policy else {"policy": "CPython default",
+                                                 "thresholds": default_thresholds}),
                           "scheduler_us": round(sched_us, 1),
                           "encode_us": round(per["encode"], 1),
                           "decode_us": round(per["decode"], 1),
                           "codec_over_scheduler": round(codec_us / sched_us, 3),
+                          "gc_passes_by_generation": gc_timer.passes,
+                          "gc_us_per_step": round(gc_timer.seconds / steps * 1e6, 1),
                           "step_bytes": {"scheduler_output": sizes[0],
                                          "model_runner_output": sizes[1]}}))
 
@@ -331,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
 
     q = sub.add_parser("codec", help="protobuf encode+decode per step vs scheduler step")
     q.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    q.add_argument("--gc", choices=["server", "default"], default="server",
+                   help="collector policy: the server's (configure_gc, the default) or "
+                   "CPython's untouched defaults, for comparison")
 
     q = sub.add_parser("async-compare", help="tokens/s async on vs off, remote worker")
     q.add_argument("--model", help="checkpoint (default: the demo model)")
