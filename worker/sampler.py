@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenbudget.core.sampling_params import SamplingParams
@@ -228,6 +229,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.shape[1] * 32 < vocab_size:
         raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens but logits have "
                          f"{vocab_size}; allocate it for the model's full vocabulary")
+    if logits.device.type == "cpu" and logits.dtype in _INT_VIEW:
+        apply_token_bitmask_cpu(logits, bitmask.to("cpu", torch.int32))
+        return
     bitmask = bitmask.to(device=logits.device, dtype=torch.int32, non_blocking=True)
     if logits.device.type not in _XGRAMMAR_UNAVAILABLE:
         try:
@@ -251,3 +255,41 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> No
     allowed = bits.flatten(1)[:, :vocab_size].bool()
     logits.masked_fill_(~allowed, float("-inf"))
 
+
+
+# Floating dtype -> the integer dtype of its size, for bitwise masking.
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+# Rows are masked in chunks of about this many logits, so the temporaries stay in cache.
+_CPU_CHUNK = 1 << 18
+
+
+def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_token_bitmask for float32/bf16/f16 logits on the CPU (same contract).
+
+    Branchless: bits are unpacked with numpy, widened to all-ones/all-zeros
+    integers and merged into the logits' bits with and/or (-inf where the
+    bit is 0). xgrammar's CPU kernel tests bit by bit and is several times
+    slower on the mostly-forbidding masks of JSON structure. Rows that allow
+    everything are skipped."""
+    num_rows, vocab_size = logits.shape
+    words = np.ascontiguousarray(bitmask.numpy()[:, :-(-vocab_size // 32)])
+    rows = np.flatnonzero((words != -1).any(axis=1))
+    if len(rows) == 0:
+        return
+    int_dtype = _INT_VIEW[logits.dtype]
+    bits = logits.view(int_dtype)
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item()
+    step = max(1, _CPU_CHUNK // vocab_size)
+    contiguous = len(rows) == num_rows
+    for start in range(0, len(rows), step):
+        chunk = rows[start:start + step]
+        allowed = np.unpackbits(words[chunk].view(np.uint8), axis=1, count=vocab_size,
+                                bitorder="little")
+        keep = torch.from_numpy(allowed).to(int_dtype).neg_()  # -1 where allowed, else 0
+        forbid = keep.bitwise_not().bitwise_and_(neg_inf)
+        if contiguous:
+            bits[start:start + len(chunk)].bitwise_and_(keep).bitwise_or_(forbid)
+        else:
+            index = torch.from_numpy(chunk)
+            masked = bits.index_select(0, index).bitwise_and_(keep).bitwise_or_(forbid)
+            bits.index_copy_(0, index, masked)
