@@ -277,6 +277,10 @@ class ModelRunner:
                        logits: torch.Tensor) -> None:
         """Bitmask rows come per structured request (1 + drafts rows each, in
         structured_req_ids order); map them onto our logits rows."""
+        if len(row_req) == len(step.req_ids) and so.structured_req_ids == step.req_ids:
+            # Every request samples one row and all are constrained, in order.
+            apply_token_bitmask(logits, torch.from_numpy(np.asarray(so.grammar_bitmask)))
+            return
         first_row = {}
         for j, i in enumerate(row_req):
             first_row.setdefault(step.req_ids[i], j)
