@@ -290,37 +290,41 @@ class StructuredOutputManager:
         """Bitmask rows for the scheduled structured requests that sample this
         step: 1 + drafts rows each, in the order of the returned request ids.
         Row k of a request with drafts reflects its state after drafts[:k]."""
-        if not self._active:
+        active = self._active
+        if not active:
             return None, []
+        # Scheduled order: when every scheduled row is constrained the worker
+        # masks its logits in place, without reordering rows.
         ids: list[str] = []
-        num_rows = 0
-        for rid, req in self._active.items():
-            n = num_scheduled.get(rid)
-            if n is None:
+        matchers: list = []
+        rows: list[int] = []
+        drafted: list[tuple[Any, list[int], int]] = []
+        k = 0
+        for rid, n in num_scheduled.items():
+            req = active.get(rid)
+            if req is None:
                 continue
-            drafts = spec_tokens.get(rid, ())
-            known = req.num_tokens + req.num_output_placeholders + len(drafts)
-            if req.num_computed_tokens + n < known:
+            drafts = spec_tokens.get(rid) if spec_tokens else None
+            num_drafts = len(drafts) if drafts else 0
+            if req.num_computed_tokens + n < req.num_tokens + req.num_output_placeholders \
+                    + num_drafts:
                 continue  # a prefill chunk that does not sample
             ids.append(rid)
-            num_rows += 1 + len(drafts)
-        if not ids:
-            return None, []
-        bitmask = np.empty((num_rows, self.bitmask_words), dtype=np.int32)
-        matchers, rows = [], []
-        k = 0
-        for rid in ids:
-            matcher = self._active[rid].structured_request.matcher
-            drafts = spec_tokens.get(rid)
-            if drafts:
-                _fill_with_drafts(matcher, drafts, bitmask, k)
-                k += 1 + len(drafts)
+            matcher = req.structured_request.matcher
+            if num_drafts:
+                drafted.append((matcher, drafts, k))
             else:
                 matchers.append(matcher)
                 rows.append(k)
-                k += 1
+            k += 1 + num_drafts
+        if not ids:
+            return None, []
+        bitmask = np.empty((k, self.bitmask_words), dtype=np.int32)
+        for matcher, drafts, first_row in drafted:
+            _fill_with_drafts(matcher, drafts, bitmask, first_row)
         if matchers:
-            self._batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            self._batch_matcher().batch_fill_next_token_bitmask(
+                matchers, bitmask, rows if drafted else None)
         return bitmask, ids
 
     def _batch_matcher(self):
