@@ -34,7 +34,9 @@ def test_configure_gc_freezes_startup_heap_and_sets_gen0_threshold(restore_gc):
     _, gen1, gen2 = gc.get_threshold()
     policy = configure_gc(1234)
     assert gc.get_threshold() == (1234, gen1, gen2) == policy.thresholds
-    assert policy.frozen == gc.get_freeze_count() > 0
+    # Frozen objects can still die (other threads of the test session free
+    # theirs), so the count only shrinks after the call.
+    assert 0 < gc.get_freeze_count() <= policy.frozen
     # Frozen objects are out of every generation the collector scans.
     tracked = {id(o) for o in gc.get_objects()}
     assert id(before) not in tracked and id(before.other) not in tracked
