@@ -1,6 +1,10 @@
 """Shared test setup: one torch thread (a busy 2-core box is 10-20x slower with more)."""
 from __future__ import annotations
 
+import contextlib
+
+import pytest
+
 try:
     import torch
 except ImportError:  # core-only environments
@@ -8,3 +12,33 @@ except ImportError:  # core-only environments
 
 if torch is not None:
     torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def _serving(engine):
+    """Host ``engine`` (an AsyncEngine) on the caller's own gRPC server via
+    add_generation_servicer, on an ephemeral loopback port; yield a Client.
+    The engine is shut down on exit."""
+    from concurrent import futures
+
+    import grpc
+
+    from tokenbudget.server.client import Client
+    from tokenbudget.server.grpc_service import add_generation_servicer
+
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    add_generation_servicer(server, engine)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop(0)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serving():
+    return _serving

@@ -4,7 +4,6 @@ inputs are validated and reach the scheduler as multimodal features."""
 from __future__ import annotations
 
 import io
-from concurrent import futures
 from concurrent.futures import Future
 
 import grpc
@@ -14,8 +13,6 @@ import pytest
 from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SamplingParams,
                               SchedulerConfig)
 from tokenbudget.server.async_engine import AsyncEngine
-from tokenbudget.server.client import Client
-from tokenbudget.server.grpc_service import add_generation_servicer
 
 FAKE_TOKEN = 42
 
@@ -58,7 +55,7 @@ def _png(seed: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
+def embedded(tmp_path_factory, serving):
     from tokenbudget.server.input_processor import InputProcessor
     from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
 
@@ -68,15 +65,8 @@ def embedded(tmp_path_factory):
                       CacheConfig(block_size=16), executor)
     engine = AsyncEngine(core, InputProcessor.from_pretrained(path), model_name="tiny-vl",
                          is_vision_language=True)
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    add_generation_servicer(server, engine)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = Client(f"127.0.0.1:{port}")
-    yield client, executor, engine
-    client.close()
-    server.stop(0)
-    engine.shutdown()
+    with serving(engine) as client:
+        yield client, executor, engine
 
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

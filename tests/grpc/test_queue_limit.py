@@ -12,8 +12,6 @@ import pytest
 from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SamplingParams,
                               SchedulerConfig)
 from tokenbudget.server.async_engine import AsyncEngine
-from tokenbudget.server.client import Client
-from tokenbudget.server.grpc_service import add_generation_servicer
 
 
 class SlowExecutor:
@@ -46,7 +44,7 @@ class SlowExecutor:
 
 
 @pytest.fixture
-def slow_server(tmp_path):
+def slow_server(tmp_path, serving):
     from tokenbudget.server.input_processor import InputProcessor
     from tokenbudget.worker.tiny_models import build_tiny_qwen3
 
@@ -55,15 +53,8 @@ def slow_server(tmp_path):
     core = EngineCore(SchedulerConfig(max_num_seqs=1, max_queued_requests=1, max_model_len=256),
                       CacheConfig(block_size=16), executor)
     engine = AsyncEngine(core, InputProcessor.from_pretrained(path), model_name="tiny")
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    add_generation_servicer(server, engine)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = Client(f"127.0.0.1:{port}")
-    yield client, engine
-    client.close()
-    server.stop(0)
-    engine.shutdown()
+    with serving(engine) as client:
+        yield client, engine
 
 
 def test_request_beyond_max_queued_requests_is_resource_exhausted(slow_server):

@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-from concurrent import futures
 
 import grpc
 import pytest
 
 from tokenbudget.core import CacheConfig, EngineCore, SamplingParams, SchedulerConfig
 from tokenbudget.server.async_engine import AsyncEngine
-from tokenbudget.server.client import Client
-from tokenbudget.server.grpc_service import add_generation_servicer
 
 SCHEMA = {"type": "object",
           "properties": {"ok": {"type": "boolean"},
@@ -24,7 +21,7 @@ SCHEMA = {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model):
+def served(tiny_model, serving):
     from tokenbudget.server.input_processor import InputProcessor
     from tokenbudget.worker.executor import InProcessExecutor
     from tokenbudget.worker.worker import Worker
@@ -34,15 +31,8 @@ def served(tiny_model):
                       CacheConfig(num_blocks=256), executor)
     # No manager given: the service front enables structured output itself.
     engine = AsyncEngine(core, InputProcessor.from_pretrained(tiny_model), model_name="tiny")
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    add_generation_servicer(server, engine)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = Client(f"127.0.0.1:{port}")
-    yield client, engine
-    client.close()
-    server.stop(0)
-    engine.shutdown()
+    with serving(engine) as client:
+        yield client, engine
 
 
 def test_structured_requests_over_grpc(served):
