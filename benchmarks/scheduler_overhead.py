@@ -179,7 +179,7 @@ def main() -> None:
             print(json.dumps(results[e]), flush=True)
         if len(results) == 2:
             ours, theirs = results["tokenbudget"], results["vllm"]
-            print(json.dumps({"ratio": f"tokenbudget/vllm", "workload": w.label,
+            print(json.dumps({"ratio": "tokenbudget/vllm", "workload": w.label,
                               "total_us_ratio": round(ours["total_us"] / theirs["total_us"], 3)}),
                   flush=True)
 

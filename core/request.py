@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenbudget.core.sampling_params import SamplingParams

@@ -11,7 +11,6 @@ at ``tokenbudget.proto``, where the modules live.
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 from pathlib import Path
 
