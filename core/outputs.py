@@ -61,7 +61,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     # Packed int32 bitmask rows (numpy array) for the structured requests in
-    # ``structured_req_ids`` order, or None.
+    # ``structured_req_ids`` order, or None; a Future of them for in-process
+    # executors that opt in with ``defers_grammar_bitmask`` (core/engine.py).
     grammar_bitmask: Any = None
     structured_req_ids: list[str] = field(default_factory=list)
 

@@ -8,6 +8,7 @@ running requests first, in order, then waiting ones in queue order.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
@@ -65,7 +66,7 @@ class _Step:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 structured_output_manager=None) -> None:
+                 structured_output_manager=None, *, defer_grammar_bitmask: bool = False) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -75,6 +76,9 @@ class Scheduler:
             cache_config.enable_prefix_caching, cache_config.hash_algo)
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.structured_output_manager = structured_output_manager
+        # Schedule with a pending grammar_bitmask (a Future) that the engine
+        # resolves via fill_grammar_bitmask once the previous step's tokens are in.
+        self.defer_grammar_bitmask = defer_grammar_bitmask
         self.requests: dict[str, Request] = {}
         self.waiting = create_queue(scheduler_config.policy, scheduler_config.priority_descending)
         self.running: list[Request] = []
@@ -483,9 +487,12 @@ class Scheduler:
         if self.running and self.cache_config.enable_prefix_caching:
             num_common = kv.get_num_common_prefix_blocks(self.running[0], len(self.running))
         grammar_bitmask, structured_ids = None, []
-        if self.structured_output_manager is not None:
-            grammar_bitmask, structured_ids = self.structured_output_manager.grammar_bitmask(
-                self.requests, step.num_scheduled, step.spec_tokens)
+        som = self.structured_output_manager
+        if som is not None:
+            structured_ids = som.sampling_req_ids(step.num_scheduled, step.spec_tokens)
+            if structured_ids:
+                grammar_bitmask = Future() if self.defer_grammar_bitmask else \
+                    som.fill_bitmask(structured_ids, step.spec_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -501,6 +508,21 @@ class Scheduler:
             grammar_bitmask=grammar_bitmask,
             structured_req_ids=structured_ids,
         )
+
+    def fill_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Resolve a deferred grammar_bitmask from the matchers' current state:
+        call once the tokens of every earlier step are accepted. No-op for a
+        mask that is already an array, resolved or cancelled."""
+        mask = scheduler_output.grammar_bitmask
+        if not isinstance(mask, Future) or mask.done():
+            return
+        try:
+            mask.set_result(self.structured_output_manager.fill_bitmask(
+                scheduler_output.structured_req_ids,
+                scheduler_output.scheduled_spec_decode_tokens))
+        except BaseException as exc:  # the worker waiting on it must not hang
+            mask.set_exception(exc)
+            raise
 
     def _update_after_schedule(self, step: _Step) -> None:
         requests = self.requests

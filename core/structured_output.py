@@ -290,16 +290,18 @@ class StructuredOutputManager:
         """Bitmask rows for the scheduled structured requests that sample this
         step: 1 + drafts rows each, in the order of the returned request ids.
         Row k of a request with drafts reflects its state after drafts[:k]."""
+        ids = self.sampling_req_ids(num_scheduled, spec_tokens)
+        return (self.fill_bitmask(ids, spec_tokens) if ids else None), ids
+
+    def sampling_req_ids(self, num_scheduled: dict[str, int],
+                         spec_tokens: dict[str, list[int]]) -> list[str]:
+        """The scheduled structured requests that sample this step, in
+        scheduled order: when every scheduled row is constrained the worker
+        masks its logits in place, without reordering rows."""
         active = self._active
-        if not active:
-            return None, []
-        # Scheduled order: when every scheduled row is constrained the worker
-        # masks its logits in place, without reordering rows.
         ids: list[str] = []
-        matchers: list = []
-        rows: list[int] = []
-        drafted: list[tuple[Any, list[int], int]] = []
-        k = 0
+        if not active:
+            return ids
         for rid, n in num_scheduled.items():
             req = active.get(rid)
             if req is None:
@@ -310,22 +312,40 @@ class StructuredOutputManager:
                     + num_drafts:
                 continue  # a prefill chunk that does not sample
             ids.append(rid)
-            matcher = req.structured_request.matcher
-            if num_drafts:
-                drafted.append((matcher, drafts, k))
+        return ids
+
+    def fill_bitmask(self, req_ids: list[str],
+                     spec_tokens: dict[str, list[int]]) -> np.ndarray:
+        """The rows of ``req_ids`` (see grammar_bitmask) from the matchers'
+        current state. A request removed since it was scheduled (a deferred
+        fill after it finished) gets rows that allow everything: its sample
+        is discarded, and a row without any allowed token could break sampling."""
+        matchers: list = []
+        rows: list[int] = []
+        drafted: list[tuple[Any, list[int], int]] = []
+        free: list[tuple[int, int]] = []
+        k = 0
+        for rid in req_ids:
+            drafts = spec_tokens.get(rid) if spec_tokens else None
+            num_drafts = len(drafts) if drafts else 0
+            req = self._active.get(rid)
+            if req is None:
+                free.append((k, k + 1 + num_drafts))
+            elif num_drafts:
+                drafted.append((req.structured_request.matcher, drafts, k))
             else:
-                matchers.append(matcher)
+                matchers.append(req.structured_request.matcher)
                 rows.append(k)
             k += 1 + num_drafts
-        if not ids:
-            return None, []
         bitmask = np.empty((k, self.bitmask_words), dtype=np.int32)
+        for lo, hi in free:
+            bitmask[lo:hi] = -1
         for matcher, drafts, first_row in drafted:
             _fill_with_drafts(matcher, drafts, bitmask, first_row)
         if matchers:
             self._batch_matcher().batch_fill_next_token_bitmask(
-                matchers, bitmask, rows if drafted else None)
-        return bitmask, ids
+                matchers, bitmask, rows if len(rows) < k else None)
+        return bitmask
 
     def _batch_matcher(self):
         if self._batch is None:
