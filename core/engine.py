@@ -4,6 +4,12 @@ With async (overlap) scheduling, step N+1 is scheduled while step N runs on
 the worker: every request that will sample in step N carries one output
 placeholder, and the worker feeds its own last sampled token as the next
 input. Both loops produce the same tokens.
+
+A structured request's bitmask for step N+1 depends on the token step N
+samples. Executors that set ``defers_grammar_bitmask`` accept a pending mask
+(a Future their worker waits on right before sampling): the engine sends step
+N+1 at once and fills its mask after applying step N. Other executors get a
+concrete mask, so steps do not overlap while structured requests sample.
 """
 from __future__ import annotations
 
@@ -33,8 +39,11 @@ class EngineCore:
         if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
             cache_config.num_blocks = num_blocks
         self.executor = executor
-        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager)
         self.async_scheduling = scheduler_config.async_scheduling
+        self._defer_masks = self.async_scheduling and \
+            getattr(executor, "defers_grammar_bitmask", False)
+        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager,
+                                   defer_grammar_bitmask=self._defer_masks)
         # Steps sent to the executor whose outputs have not been applied.
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
@@ -64,17 +73,18 @@ class EngineCore:
         sent = False
         s = self.scheduler
         outputs: list[RequestOutput] = []
-        if any(so.structured_req_ids for so, _ in self._in_flight):
+        if not self._defer_masks and any(so.structured_req_ids for so, _ in self._in_flight):
             # The next grammar bitmask must see the tokens those steps sample:
             # with structured requests sampling, steps do not overlap.
             while self._in_flight:
-                so, fut = self._in_flight.popleft()
-                outputs += s.update_from_output(so, fut.result())
+                outputs += self._apply_oldest()
         if s.has_unfinished_requests() or s.finished_req_ids:
             so = s.schedule()
             if not so.is_empty:
                 self._in_flight.append((so, self.executor.execute_model(so)))
                 sent = True
+                if len(self._in_flight) == 1:
+                    s.fill_grammar_bitmask(so)  # no earlier step to wait for
             else:
                 self._flush_finished(so)
         if not self._in_flight:
@@ -86,8 +96,16 @@ class EngineCore:
         if sent and len(self._in_flight) < 2 and self._can_schedule_more():
             # The step just sent runs while we schedule the next one.
             return outputs
+        return outputs + self._apply_oldest()
+
+    def _apply_oldest(self) -> list[RequestOutput]:
         so, fut = self._in_flight.popleft()
-        return outputs + self.scheduler.update_from_output(so, fut.result())
+        outputs = self.scheduler.update_from_output(so, fut.result())
+        if self._in_flight:
+            # Step N's tokens are in the matchers: step N+1's deferred mask
+            # can be filled (its worker has been running the forward meanwhile).
+            self.scheduler.fill_grammar_bitmask(self._in_flight[0][0])
+        return outputs
 
     def _wait_for_grammars(self) -> None:
         # Nothing runs: rather than spin, sleep until a grammar compiles (briefly,
@@ -108,8 +126,10 @@ class EngineCore:
             self.executor.execute_model(so).result()
 
     def shutdown(self) -> None:
-        for _, fut in self._in_flight:
+        for so, fut in self._in_flight:
             fut.cancel()
+            if isinstance(so.grammar_bitmask, Future):
+                so.grammar_bitmask.cancel()  # releases a worker waiting on it
         self._in_flight.clear()
         if self.scheduler.structured_output_manager is not None:
             self.scheduler.structured_output_manager.shutdown()

@@ -15,6 +15,10 @@ class InProcessExecutor:
 
     def __init__(self, worker: Worker, *, async_mode: bool = False) -> None:
         self.worker = worker
+        # Async only: the worker thread waits for a pending grammar_bitmask
+        # right before sampling while the engine fills it (see core/engine.py);
+        # a sync step runs on the engine's own thread and would wait forever.
+        self.defers_grammar_bitmask = async_mode
         # One thread: the runner's state requires steps to execute in order.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenbudget-worker") \
             if async_mode else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,9 +278,15 @@ class ModelRunner:
                        logits: torch.Tensor) -> None:
         """Bitmask rows come per structured request (1 + drafts rows each, in
         structured_req_ids order); map them onto our logits rows."""
+        bitmask = so.grammar_bitmask
+        if isinstance(bitmask, Future):
+            # Deferred by the engine until the previous step's tokens are
+            # accepted; the forward pass ran meanwhile.
+            bitmask = bitmask.result()
+        bitmask = np.asarray(bitmask)
         if len(row_req) == len(step.req_ids) and so.structured_req_ids == step.req_ids:
             # Every request samples one row and all are constrained, in order.
-            apply_token_bitmask(logits, torch.from_numpy(np.asarray(so.grammar_bitmask)))
+            apply_token_bitmask(logits, torch.from_numpy(bitmask))
             return
         first_row = {}
         for j, i in enumerate(row_req):
@@ -294,7 +301,6 @@ class ModelRunner:
             k += n
         if not dst:
             return
-        bitmask = np.asarray(so.grammar_bitmask)
         if src != list(range(len(bitmask))):
             bitmask = bitmask[src]
         if dst == list(range(len(row_req))):
