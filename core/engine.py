@@ -100,12 +100,14 @@ class EngineCore:
 
     def _apply_oldest(self) -> list[RequestOutput]:
         so, fut = self._in_flight.popleft()
-        outputs = self.scheduler.update_from_output(so, fut.result())
-        if self._in_flight:
-            # Step N's tokens are in the matchers: step N+1's deferred mask
-            # can be filled (its worker has been running the forward meanwhile).
-            self.scheduler.fill_grammar_bitmask(self._in_flight[0][0])
-        return outputs
+        try:
+            return self.scheduler.update_from_output(so, fut.result())
+        finally:
+            if self._in_flight:
+                # Step N's tokens are in the matchers: step N+1's deferred mask
+                # can be filled (its worker has been running the forward
+                # meanwhile). Even after an error: the worker waits on it.
+                self.scheduler.fill_grammar_bitmask(self._in_flight[0][0])
 
     def _wait_for_grammars(self) -> None:
         # Nothing runs: rather than spin, sleep until a grammar compiles (briefly,

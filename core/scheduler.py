@@ -489,10 +489,12 @@ class Scheduler:
         grammar_bitmask, structured_ids = None, []
         som = self.structured_output_manager
         if som is not None:
-            structured_ids = som.sampling_req_ids(step.num_scheduled, step.spec_tokens)
-            if structured_ids:
-                grammar_bitmask = Future() if self.defer_grammar_bitmask else \
-                    som.fill_bitmask(structured_ids, step.spec_tokens)
+            if self.defer_grammar_bitmask:
+                structured_ids = som.sampling_req_ids(step.num_scheduled, step.spec_tokens)
+                grammar_bitmask = Future() if structured_ids else None
+            else:
+                grammar_bitmask, structured_ids = som.grammar_bitmask(
+                    self.requests, step.num_scheduled, step.spec_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
