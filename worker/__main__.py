@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
+
+from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,14 +22,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="largest gRPC message in bytes (default 256 MiB)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default %(default)s)")
+    parser.add_argument("--gc-threshold", type=int, default=DEFAULT_GEN0_THRESHOLD,
+                        help="Python collector's generation-0 threshold, set once Initialize "
+                        "has loaded the model and the heap is frozen, like the server's "
+                        "--gc-threshold (default %(default)s; CPython's own is 700)")
     args = parser.parse_args(argv)
+    if args.gc_threshold < 1:
+        sys.exit(f"worker: --gc-threshold must be >= 1, got {args.gc_threshold}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
     import torch
 
     from tokenbudget.worker.grpc_worker import serve
 
     torch.set_num_threads(args.threads)
-    server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size)
+    server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size,
+                               gc_threshold=args.gc_threshold)
     # The line tests and scripts wait for (the port may have been picked by the OS).
     print(f"tokenbudget worker listening on {args.host}:{port}", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):

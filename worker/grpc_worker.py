@@ -1,11 +1,15 @@
 """Serve one Worker over gRPC (service tokenbudget.v1.Worker).
 
-The model is loaded on Initialize (the server sends model path and configs).
-ExecuteModel decodes incoming steps on a reader thread, so decoding step N+1
-overlaps the forward of step N, and answers them strictly in order.
+The model is loaded on Initialize (the server sends model path and configs);
+then the process's collector policy is applied (server/gc_policy.py: freeze
+the loaded heap, raise generation 0's threshold), as the server does after
+its start-up, so collections stay out of the steps. ExecuteModel decodes
+incoming steps on a reader thread, so decoding step N+1 overlaps the forward
+of step N, and answers them strictly in order.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -16,6 +20,7 @@ from concurrent import futures
 import grpc
 
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +28,10 @@ _END = object()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, stop_event: threading.Event | None = None) -> None:
+    def __init__(self, stop_event: threading.Event | None = None, *,
+                 gc_threshold: int = DEFAULT_GEN0_THRESHOLD) -> None:
         self.worker = None
+        self._gc_threshold = gc_threshold
         self._stop_event = stop_event or threading.Event()
         self._lock = threading.Lock()
         self._num_steps = 0
@@ -38,13 +45,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             if self.worker is not None:
                 self.worker.shutdown()
+                self.worker = None
+                # The old model was frozen: unfreeze so its cycles can be collected.
+                gc.unfreeze()
             logger.info("loading %s (dtype=%s, device=%s)", request.model,
                         request.dtype or "auto", request.device or "default")
             self.worker = Worker(request.model, dtype=request.dtype or "auto",
                                  device=request.device or None,
                                  attention_backend=request.attention_backend or "auto")
             num_blocks = self.worker.initialize(cache_config, scheduler_config)
+            policy = configure_gc(self._gc_threshold)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache_config.block_size)
+        logger.info("gc: froze %d objects after loading; thresholds %s", policy.frozen,
+                    policy.thresholds)
         return worker_pb2.InitializeResponse(num_blocks=num_blocks)
 
     def ExecuteModel(self, request_iterator, context):
@@ -100,13 +113,18 @@ def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
         inbox.put(_END)
 
 
-def serve(host: str, port: int, *, max_message_size: int = 256 << 20) -> tuple[grpc.Server, int, threading.Event]:
-    """Start a worker server; returns (server, bound port, stop event)."""
+def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
+          gc_threshold: int = DEFAULT_GEN0_THRESHOLD) -> tuple[grpc.Server, int, threading.Event]:
+    """Start a worker server; returns (server, bound port, stop event).
+    ``gc_threshold`` is generation 0's collector threshold once a model is loaded."""
+    if gc_threshold < 1:
+        raise ValueError(f"gc_threshold must be >= 1, got {gc_threshold}")
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
         ("grpc.max_send_message_length", max_message_size),
         ("grpc.max_receive_message_length", max_message_size)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(stop), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(stop, gc_threshold=gc_threshold), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
