@@ -261,35 +261,42 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> No
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # Rows are masked in chunks of about this many logits, so the temporaries stay in cache.
 _CPU_CHUNK = 1 << 18
+# Byte value -> its 8 bits (least significant first) as all-ones (allowed) or zero integers.
+_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+_BYTE_KEEP = {torch.int32: -_BYTE_BITS.astype(np.int32), torch.int16: -_BYTE_BITS.astype(np.int16)}
 
 
 def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """apply_token_bitmask for float32/bf16/f16 logits on the CPU (same contract).
 
-    Branchless: bits are unpacked with numpy, widened to all-ones/all-zeros
-    integers and merged into the logits' bits with and/or (-inf where the
-    bit is 0). xgrammar's CPU kernel tests bit by bit and is several times
-    slower on the mostly-forbidding masks of JSON structure. Rows that allow
-    everything are skipped."""
+    Branchless numpy on the logits' bits: one table lookup per mask byte
+    widens its 8 bits to all-ones/zero integers ``keep``, then
+    ``((bits ^ -inf) & keep) ^ -inf`` keeps the logit where the bit is 1 and
+    writes -inf where it is 0, in three in-place passes. xgrammar's CPU kernel
+    tests bit by bit and is several times slower on the mostly-forbidding
+    masks of JSON structure; torch's integer ops cost ~2.5x these numpy
+    passes at one thread. Rows that allow everything are skipped."""
     num_rows, vocab_size = logits.shape
     words = np.ascontiguousarray(bitmask.numpy()[:, :-(-vocab_size // 32)])
     rows = np.flatnonzero((words != -1).any(axis=1))
     if len(rows) == 0:
         return
     int_dtype = _INT_VIEW[logits.dtype]
-    bits = logits.view(int_dtype)
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item()
+    bits = logits.view(int_dtype).numpy()
+    table = _BYTE_KEEP[int_dtype]
+    neg_inf = bits.dtype.type(
+        torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item())
     step = max(1, _CPU_CHUNK // vocab_size)
     contiguous = len(rows) == num_rows
     for start in range(0, len(rows), step):
         chunk = rows[start:start + step]
-        allowed = np.unpackbits(words[chunk].view(np.uint8), axis=1, count=vocab_size,
-                                bitorder="little")
-        keep = torch.from_numpy(allowed).to(int_dtype).neg_()  # -1 where allowed, else 0
-        forbid = keep.bitwise_not().bitwise_and_(neg_inf)
-        if contiguous:
-            bits[start:start + len(chunk)].bitwise_and_(keep).bitwise_or_(forbid)
-        else:
-            index = torch.from_numpy(chunk)
-            masked = bits.index_select(0, index).bitwise_and_(keep).bitwise_or_(forbid)
-            bits.index_copy_(0, index, masked)
+        rows_of = slice(start, start + len(chunk)) if contiguous else chunk
+        keep = table.take(words[rows_of].view(np.uint8).astype(np.intp), axis=0)
+        keep = keep.reshape(len(chunk), -1)[:, :vocab_size]
+        # A slice is a view, written in place; fancy indexing copies, written back below.
+        target = bits[rows_of]
+        np.bitwise_xor(target, neg_inf, out=target)
+        np.bitwise_and(target, keep, out=target)
+        np.bitwise_xor(target, neg_inf, out=target)
+        if not contiguous:
+            bits[chunk] = target
