@@ -301,8 +301,48 @@ class SchedulerOutputEncoder:
         self._last_cached_handles = b""
         self._last_counts: list[int] = []
         self._last_counts_bytes = b""
+        # The last step's scheduled order: a step repeating it and its counts
+        # is sent as such (repeats_last_step in worker.proto).
+        self._last_order: list[str] | None = None
 
     def encode(self, so: SchedulerOutput, step_id: int = 0) -> worker_pb2.SchedulerOutput:
+        msg = self._encode_repeat(so, step_id)
+        if msg is not None:
+            return msg
+        msg = self._encode_full(so, step_id)
+        nst = so.num_scheduled_tokens
+        self._last_order = list(nst) if nst else None
+        return msg
+
+    def _encode_repeat(self, so: SchedulerOutput, step_id: int,
+                       ) -> worker_pb2.SchedulerOutput | None:
+        """The message of a steady step (see repeats_last_step), or None when
+        ``so`` is not one: the hot path."""
+        cached = so.scheduled_cached_reqs
+        nst = so.num_scheduled_tokens
+        if (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
+                or so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs
+                or so.free_encoder_mm_hashes or so.grammar_bitmask is not None
+                or so.structured_req_ids or cached.resumed_token_ids or not nst
+                or cached.req_ids != self._last_order or list(nst) != cached.req_ids
+                or list(nst.values()) != self._last_counts):
+            return None
+        msg = worker_pb2.SchedulerOutput(
+            step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            num_common_prefix_blocks=so.num_common_prefix_blocks, repeats_last_step=True)
+        # Fields are set in place: nested constructor arguments would be copied.
+        out = msg.scheduled_cached_reqs
+        out.num_computed_tokens = _i32(cached.num_computed_tokens)
+        lists = cached.new_block_ids
+        if any(lists):
+            _ragged_to_proto(lists, out.new_block_ids)
+        else:  # decode steps between block boundaries
+            blocks = out.new_block_ids
+            blocks.num_lists = len(lists)
+            blocks.sparse = True
+        return msg
+
+    def _encode_full(self, so: SchedulerOutput, step_id: int) -> worker_pb2.SchedulerOutput:
         msg = worker_pb2.SchedulerOutput(
             step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
             num_common_prefix_blocks=so.num_common_prefix_blocks)
@@ -404,8 +444,40 @@ class SchedulerOutputDecoder:
         self._last_req_ids: list[str] = []
         self._last_nst_key: tuple[bytes, ...] | None = None
         self._last_nst: dict[str, int] = {}
+        # The last step's scheduled order (list(self._last_nst)), for a step
+        # that repeats it; None until a step was decoded.
+        self._last_order: list[str] | None = None
 
     def decode(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+        if msg.repeats_last_step:
+            return self._decode_repeat(msg)
+        so = self._decode_full(msg)
+        nst = so.num_scheduled_tokens
+        if not nst:
+            self._last_order = None
+        elif so.scheduled_new_reqs or list(nst) != so.scheduled_cached_reqs.req_ids:
+            self._last_order = list(nst)
+        else:  # the cached requests' list: a repeat then shares it
+            self._last_order = so.scheduled_cached_reqs.req_ids
+        return so
+
+    def _decode_repeat(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+        order = self._last_order
+        if order is None:
+            raise ValueError("a step repeats the last step's requests, but the stream has "
+                             "no last step with requests")
+        c = msg.scheduled_cached_reqs
+        return SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=order,
+                new_block_ids=_ragged_from_proto(c.new_block_ids, share_empty=True),
+                num_computed_tokens=_i32_list(c.num_computed_tokens)),
+            num_scheduled_tokens=self._last_nst,
+            total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+            num_common_prefix_blocks=msg.num_common_prefix_blocks)
+
+    def _decode_full(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
         # Fields are tested before they are converted: decode steps send few.
         finished_handles = _i32_list(msg.finished_handles) if msg.finished_handles else []
         finished = set(self._names(finished_handles))

@@ -133,7 +133,7 @@ class CachedRequests(_message.Message):
     def __init__(self, handles: _Optional[bytes] = ..., new_block_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., num_computed_tokens: _Optional[bytes] = ..., resumed_token_ids: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids")
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids", "repeats_last_step")
     class ScheduledSpecDecodeTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class SchedulerOutput(_message.Message):
     STRUCTURED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_UNSENT_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_UNSENT_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequest]
     scheduled_cached_reqs: CachedRequests
@@ -180,7 +181,8 @@ class SchedulerOutput(_message.Message):
     structured_handles: bytes
     finished_unsent_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_unsent_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    repeats_last_step: bool
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ..., repeats_last_step: _Optional[bool] = ...) -> None: ...
 
 class RequestLogprobs(_message.Message):
     __slots__ = ("present", "tokens")

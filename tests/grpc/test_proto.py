@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import filecmp
+import random
 import struct
 
 import numpy as np
@@ -138,6 +139,86 @@ def test_steady_decode_steps_name_requests_by_handle_and_pack_everything():
     _assert_same(out, back)
     with pytest.raises(ValueError, match="scheduled_req_ids"):
         convert.ModelRunnerOutputDecoder().decode(reply)
+
+
+def test_a_step_repeating_the_last_ones_requests_and_counts_sends_only_its_deltas():
+    wire = _Wire()
+    ids = [f"request-{i}" for i in range(4)]
+    wire.send(SchedulerOutput([_new(r, [1, 2, 3], [1]) for r in ids], CachedRequestData(),
+                              {r: 1 for r in ids}, 4))
+    # The first decode step repeats the prefill step's order and counts (one
+    # token each), so it is already a repeat, as is every step after it.
+    for step, blocks in enumerate([None, [[], [7], [], []], None]):
+        so = _step(ids, [1 + step] * 4, blocks)
+        msg, back = wire.send(so)
+        _assert_same(so, back)
+        assert msg.repeats_last_step
+        assert not msg.scheduled_cached_reqs.handles and not msg.num_scheduled_tokens
+    # Any change of order, count or membership is sent in full.
+    for so in (_step(ids[::-1], [4] * 4), _step(ids[:3], [5] * 3),
+               SchedulerOutput([], CachedRequestData(ids[:3], [[]] * 3, [6] * 3),
+                               {r: 2 for r in ids[:3]}, 6)):
+        msg, back = wire.send(so)
+        _assert_same(so, back)
+        assert not msg.repeats_last_step
+
+
+def test_a_repeat_without_a_last_step_is_refused():
+    msg = worker_pb2.SchedulerOutput(repeats_last_step=True)
+    with pytest.raises(ValueError, match="no last step"):
+        convert.SchedulerOutputDecoder().decode(msg)
+
+
+def test_random_step_sequences_round_trip_exactly():
+    """A naive model of a scheduler's steps (admit, run in changing or
+    repeated order, chunk, preempt, resume, finish, reuse ids) through one
+    encoder and decoder: every step decodes to what was encoded."""
+    rng = random.Random(7)
+    wire = _Wire()
+    sent: set[str] = set()       # announced to the worker, not finished
+    preempted: set[str] = set()  # announced, waiting to resume
+    counter = 0
+    last: list[str] = []
+    repeats = 0
+    for _ in range(400):
+        finished = set(rng.sample(sorted(sent), k=min(len(sent), rng.choice([0, 0, 0, 1, 2]))))
+        sent -= finished
+        preempted -= finished
+        running = [r for r in last if r in sent and r not in preempted]
+        if running and rng.random() < 0.1:
+            victim = rng.choice(running)
+            preempted.add(victim)
+            running.remove(victim)
+            pre = {victim}
+        else:
+            pre = set()
+        if rng.random() < 0.2:
+            rng.shuffle(running)
+        resumed = [r for r in sorted(preempted) if rng.random() < 0.3]
+        preempted -= set(resumed)
+        new = []
+        for _ in range(rng.choice([0, 0, 0, 1, 3])):
+            counter += 1
+            # Sometimes a finished id comes back as a new request.
+            rid = rng.choice(sorted(finished)) if finished and rng.random() < 0.3 else f"r{counter}"
+            finished.discard(rid)
+            new.append(_new(rid, [counter % 50 + 1] * rng.randint(1, 5), [counter]))
+        cached_ids = running + resumed
+        blocks = [[rng.randrange(100)] if rng.random() < 0.1 else [] for _ in running]
+        blocks += [[rng.randrange(100) for _ in range(3)] for _ in resumed]
+        steady = rng.random() < 0.7
+        nst = {r: 1 if steady else rng.randint(1, 4) for r in cached_ids}
+        nst.update({r.req_id: len(r.prompt_token_ids) for r in new})
+        so = SchedulerOutput(
+            new, CachedRequestData(cached_ids, blocks, [rng.randrange(500) for _ in cached_ids],
+                                   {r: [1, 2, 3] for r in resumed}),
+            nst, sum(nst.values()), finished_req_ids=finished, preempted_req_ids=pre)
+        msg, back = wire.send(so)
+        _assert_same(so, back)
+        repeats += msg.repeats_last_step
+        sent |= {r.req_id for r in new}
+        last = list(nst)
+    assert repeats > 20  # the sequence exercised the repeat path as well
 
 
 def test_handles_follow_requests_through_finish_preempt_resume_and_id_reuse():
