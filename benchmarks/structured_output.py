@@ -66,9 +66,9 @@ def throughput(model: str, n: int, max_tokens: int, prompt_len: int, async_sched
     spent = {"bitmask": 0.0, "accept": 0.0}
     # grammar_bitmask (sync) and the deferred fill (async, in-process) both go
     # through these two, so timing them counts every fill exactly once.
-    for name in ("sampling_req_ids", "fill_bitmask", "accept_tokens"):
+    for name in ("sampling_req_ids", "fill_bitmask", "accept_tokens", "accept_single_tokens"):
         inner = getattr(manager, name)
-        key = "accept" if name == "accept_tokens" else "bitmask"
+        key = "accept" if name.startswith("accept") else "bitmask"
 
         def timed(*a, _inner=inner, _key=key):
             t = time.perf_counter()
