@@ -4,15 +4,17 @@ The engine thread is the only one that touches the scheduler. Callers hand it
 commands (add, abort, stats) through a queue it drains between steps, so an
 abort frees the request's KV blocks before the next step is scheduled. Each
 request gets a ``RequestStream``; the engine thread puts RequestOutputs into
-it and the caller's thread detokenizes (keeping the engine loop lean).
+it and the reader (a thread or an asyncio event loop) detokenizes, keeping
+the engine loop lean.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +67,11 @@ class _Timing:
 
 class RequestStream:
     """Iterate for Chunks until the one with a finish reason. Raises the
-    engine's error (ValueError from the scheduler, EngineDeadError) instead."""
+    engine's error (ValueError from the scheduler, EngineDeadError) instead.
+
+    Read it from a thread (``for chunk in stream``) or from an asyncio event
+    loop (``async for chunk in stream``); the engine thread wakes an async
+    reader through its loop, once per step for all the loop's streams."""
 
     def __init__(self, request: Request, detokenizer: Any | None) -> None:
         self.request_id = request.request_id
@@ -74,33 +80,78 @@ class RequestStream:
         self._detokenizer = detokenizer
         self.timing = _Timing(time.monotonic())
         self.num_output_tokens = 0
+        # Set by an async reader (on its loop) before it first looks at the queue.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | BaseException, *, wake: bool = True) -> None:
+        """Queue an item; ``wake=False`` leaves waking an async reader to the
+        caller (see wake_async_readers)."""
         self._queue.put(item)
+        if wake and self.loop is not None:
+            wake_async_readers([self])
 
     def __iter__(self) -> Iterator[Chunk]:
         while True:
-            items = [self._queue.get()]
-            # Coalesce what piled up while the reader was slow: one chunk, one message.
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            chunk = Chunk([], "")
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-                chunk.token_ids.extend(item.new_token_ids)
-                chunk.num_cached_tokens = max(item.num_cached_tokens, 0)
-                if item.logprobs is not None:
-                    chunk.logprobs = (chunk.logprobs or []) + list(item.logprobs)
-                chunk.finish_reason = item.finish_reason
-            self.num_output_tokens += len(chunk.token_ids)
-            if self._detokenizer is not None:
-                chunk.text = self._detokenizer.add(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    chunk.text += self._detokenizer.flush()
+            chunk = self._take(self._queue.get())
             yield chunk
             if chunk.finish_reason is not None:
                 return
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        self._ready = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        while True:
+            # Clear before looking: an item queued after the look sets it again.
+            self._ready.clear()
+            if self._queue.empty():
+                await self._ready.wait()
+                continue
+            chunk = self._take(self._queue.get_nowait())
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def _take(self, first: RequestOutput | BaseException) -> Chunk:
+        items = [first]
+        # Coalesce what piled up while the reader was slow: one chunk, one message.
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        chunk = Chunk([], "")
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            chunk.token_ids.extend(item.new_token_ids)
+            chunk.num_cached_tokens = max(item.num_cached_tokens, 0)
+            if item.logprobs is not None:
+                chunk.logprobs = (chunk.logprobs or []) + list(item.logprobs)
+            chunk.finish_reason = item.finish_reason
+        self.num_output_tokens += len(chunk.token_ids)
+        if self._detokenizer is not None:
+            chunk.text = self._detokenizer.add(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                chunk.text += self._detokenizer.flush()
+        return chunk
+
+
+def wake_async_readers(streams: list[RequestStream]) -> None:
+    """Wake the async readers of ``streams`` (from any thread): one call into
+    each event loop rather than one per stream, since every call writes to
+    the loop's self-pipe and a step feeds many streams."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for stream in streams:
+        if stream.loop is not None and stream._ready is not None:
+            by_loop.setdefault(stream.loop, []).append(stream._ready)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the loop closed: its readers are gone
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 class AsyncEngine:
@@ -271,6 +322,7 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         metrics = self.metrics
+        woken: list[RequestStream] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -286,7 +338,11 @@ class AsyncEngine:
                 if metrics is not None:
                     metrics.observe_finished(timing, now)
             # A request that failed (its grammar did not compile) raises in the reader.
-            stream.put(out if out.error is None else out.error)
+            stream.put(out if out.error is None else out.error, wake=False)
+            if stream.loop is not None:
+                woken.append(stream)
+        if woken:
+            wake_async_readers(woken)
         if metrics is not None:
             metrics.observe_tokens(sum(len(o.new_token_ids) for o in outputs))
 
