@@ -19,7 +19,10 @@ Every mode prints one JSON object per result line.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -58,14 +61,15 @@ def make_prompts(args, vocab: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_one(client, prompt: list[int], max_tokens: int) -> RequestResult:
+async def run_one(stub, prompt: list[int], max_tokens: int) -> RequestResult:
     from tokenbudget.core import SamplingParams
+    from tokenbudget.server.client import make_request
 
     r = RequestResult(len(prompt), start=time.perf_counter())
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     last = r.start
     try:
-        for msg in client.generate_stream(prompt, params):
+        async for msg in stub.Generate(make_request(prompt, params)):
             now = time.perf_counter()
             if msg.token_ids:
                 if r.ttft is None:
@@ -83,45 +87,42 @@ def run_one(client, prompt: list[int], max_tokens: int) -> RequestResult:
 
 def run_load(target: str, prompts, *, request_rate: float | None, concurrency: int | None,
              seed: int = 0) -> tuple[list[RequestResult], float]:
-    from tokenbudget.server.client import Client
+    """Stream every prompt, all in flight at once, at ``request_rate`` (Poisson)
+    or ``concurrency`` at a time. The clients are coroutines on one grpc.aio
+    channel: a thread per stream would cost the client about twice the CPU per
+    received message, which on a small machine is taken from the server."""
+    return asyncio.run(_run_load(target, prompts, request_rate, concurrency, seed))
 
-    client = Client(target)
-    results: list[RequestResult] = []
-    lock = threading.Lock()
-    t0 = time.perf_counter()
-    if concurrency:
-        it = iter(prompts)
 
-        def loop() -> None:
-            while True:
-                with lock:
-                    item = next(it, None)
-                if item is None:
-                    return
-                res = run_one(client, *item)
-                with lock:
-                    results.append(res)
+async def _run_load(target: str, prompts, request_rate: float | None,
+                    concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+    import grpc
 
-        threads = [threading.Thread(target=loop) for _ in range(concurrency)]
-    else:
-        rng = random.Random(seed)
-        threads = []
-        delay = 0.0
-        for item in prompts:
-            def fire(item=item, at=delay) -> None:
-                time.sleep(max(0.0, t0 + at - time.perf_counter()))
-                res = run_one(client, *item)
-                with lock:
-                    results.append(res)
-            threads.append(threading.Thread(target=fire))
-            delay += rng.expovariate(request_rate) if request_rate else 0.0
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    client.close()
-    return results, elapsed
+    from tokenbudget.proto import generate_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        t0 = time.perf_counter()
+        if concurrency:
+            it = iter(prompts)
+
+            async def loop() -> list[RequestResult]:
+                return [await run_one(stub, *item) for item in it]
+
+            batches = await asyncio.gather(*(loop() for _ in range(concurrency)))
+            results = [r for batch in batches for r in batch]
+        else:
+            rng = random.Random(seed)
+
+            async def fire(item, at: float) -> RequestResult:
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                return await run_one(stub, *item)
+
+            delays = itertools.accumulate(
+                (rng.expovariate(request_rate) if request_rate else 0.0 for _ in prompts),
+                initial=0.0)
+            results = list(await asyncio.gather(*(fire(p, d) for p, d in zip(prompts, delays))))
+        return results, time.perf_counter() - t0
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
@@ -305,6 +306,22 @@ def _worker_health(address: str):
         return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest())
 
 
+def _cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default), threads included."""
+    if pid is None:
+        return time.process_time()
+    # /proc/PID/stat fields 14 and 15 (utime, stime), after the parenthesised name.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds all processes on this machine spent busy (summed over cores)."""
+    user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text()
+                                                   .split("\n", 1)[0].split()[1:])
+    return (user + nice + system + sum(rest[:3])) / os.sysconf("SC_CLK_TCK")
+
+
 def cmd_async_compare(args) -> None:
     from tokenbudget.server.demo import ensure_demo_model
 
@@ -321,8 +338,15 @@ def cmd_async_compare(args) -> None:
             run_load(target, make_prompts(args, 1000)[:args.concurrency],
                      request_rate=None, concurrency=args.concurrency)  # warm-up
             before = _worker_health(f"127.0.0.1:{wport}")
+            procs = {"server": server.pid, "worker": worker.pid, "client": None}
+            cpu = {name: _cpu_seconds(pid) for name, pid in procs.items()}
+            machine = _machine_busy_seconds()
             results, elapsed = run_load(target, make_prompts(args, 1000), request_rate=None,
                                         concurrency=args.concurrency)
+            cpu = {name: round(_cpu_seconds(pid) - cpu[name], 2) for name, pid in procs.items()}
+            # Whatever else ran meanwhile (other users of a shared machine).
+            cpu["others"] = round(max(0.0, _machine_busy_seconds() - machine - sum(cpu.values())),
+                                  2)
             after = _worker_health(f"127.0.0.1:{wport}")
         finally:
             server.terminate()
@@ -339,7 +363,13 @@ def cmd_async_compare(args) -> None:
             "worker_steps": after.num_steps - before.num_steps,
             "worker_idle_fraction": round(1 - busy / wall, 3) if wall else None,
             "worker_compute_tokens_per_s": round(tokens / busy, 1) if busy else None,
-            "tpot_p50_ms": round(s["tpot"].get("p50_ms", 0.0), 2), "errors": s["errors"]}))
+            "tpot_p50_ms": round(s["tpot"].get("p50_ms", 0.0), 2), "errors": s["errors"],
+            # Which process ate the CPU: on a machine with few cores, server +
+            # client + worker CPU seconds close to cores x duration means the
+            # worker waits for a core, not for the server.
+            "duration_s": round(elapsed, 2), "worker_busy_s": round(busy, 2),
+            "cpu_s": cpu, "cpu_cores_used": round(sum(cpu.values()) / elapsed, 2),
+            "cpu_cores": os.cpu_count()}))
 
 
 def main(argv: list[str] | None = None) -> None:
