@@ -70,8 +70,7 @@ def throughput(model: str, n: int, max_tokens: int, prompt_len: int, async_sched
     # through the first two, so timing them counts every fill exactly once.
     # The worker's _apply_grammar: waiting for a deferred mask, then masking.
     timers = [(manager, "sampling_req_ids", "bitmask"), (manager, "fill_bitmask", "bitmask"),
-              (manager, "accept_tokens", "accept"), (manager, "accept_single_tokens", "accept"),
-              (runner, "_apply_grammar", "mask")]
+              (manager, "accept_tokens", "accept"), (runner, "_apply_grammar", "mask")]
     for owner, name, key in timers:
         inner = getattr(owner, name)
 

@@ -549,10 +549,6 @@ class Scheduler:
         som = self.structured_output_manager
         max_model_len = self.scheduler_config.max_model_len
         finished_running = False
-        grammar_ended: dict[str, bool] = {}
-        if som is not None and scheduler_output.structured_req_ids:
-            grammar_ended = som.accept_single_tokens(scheduler_output.structured_req_ids,
-                                                     index_of, sampled)
         for rid in scheduler_output.num_scheduled_tokens:
             req = requests.get(rid)
             if req is None:
@@ -572,10 +568,7 @@ class Scheduler:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - len(new))
             status, kept = check_stop(req, new, max_model_len)
             if som is not None and req.structured_request is not None:
-                ended = grammar_ended.get(rid)
-                if ended is None:
-                    ended = som.accept_tokens(req, kept)
-                if ended and status is None:
+                if som.accept_tokens(req, kept) and status is None:
                     status = RequestStatus.FINISHED_STOPPED
                     req.stop_reason = "grammar"
             lp = None

@@ -11,9 +11,7 @@ and the scheduler aborts the request with that error.
 Each step ``grammar_bitmask`` fills one int32 row (xgrammar layout: bit j of
 word w allows token 32*w + j) per sampled position of the scheduled
 structured requests; the worker applies it to the logits before sampling.
-``accept_tokens`` advances a request's matcher with the tokens it kept;
-``accept_single_tokens`` does it for all requests that sampled one token in a
-step at once.
+``accept_tokens`` advances a request's matcher with the tokens it kept.
 
 xgrammar is imported only when a request needs it, so ``tokenbudget.core``
 never imports it (or torch) at import time. Every method except
@@ -361,42 +359,12 @@ class StructuredOutputManager:
         matcher = req.structured_request.matcher
         for t in token_ids:
             if not matcher.accept_token(t):
-                _log_violation(req, t)
+                # Only a bitmask that was not applied gets here; stop rather
+                # than emit text outside the grammar.
+                logger.error("request %s: token %d violates its grammar; stopping it",
+                             req.request_id, t)
                 return True
         return matcher.is_terminated()
-
-    def accept_single_tokens(self, req_ids: list[str], req_id_to_index: dict[str, int],
-                             sampled_token_ids: list[list[int]]) -> dict[str, bool]:
-        """``accept_tokens`` for every request of ``req_ids`` with a matcher
-        that sampled exactly one token, in one batched xgrammar call (one
-        crossing into C, which releases the GIL, instead of two per request).
-        Returns request id -> accept_tokens' answer for the requests it
-        advanced; the others (mid-prefill, several tokens) are left untouched.
-        With one token, the tokens a request keeps are the tokens it sampled,
-        so this may run before the stop checks."""
-        active = self._active
-        reqs: list[Request] = []
-        matchers: list = []
-        tokens: list[int] = []
-        for rid in req_ids:
-            req = active.get(rid)
-            i = req_id_to_index.get(rid)
-            if req is None or i is None or len(sampled_token_ids[i]) != 1:
-                continue
-            reqs.append(req)
-            matchers.append(req.structured_request.matcher)
-            tokens.append(sampled_token_ids[i][0])
-        if not reqs:
-            return {}
-        import xgrammar as xgr
-
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        ended: dict[str, bool] = {}
-        for req, matcher, token, ok in zip(reqs, matchers, tokens, accepted):
-            if not ok:
-                _log_violation(req, token)
-            ended[req.request_id] = not ok or matcher.is_terminated()
-        return ended
 
     def validate_drafts(self, req: Request, draft_token_ids: list[int]) -> list[int]:
         """The longest prefix of the drafts the grammar allows (the first
@@ -414,13 +382,6 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _log_violation(req: Request, token: int) -> None:
-    # Only a bitmask that was not applied gets here; the caller stops the
-    # request rather than emit text outside the grammar.
-    logger.error("request %s: token %d violates its grammar; stopping it",
-                 req.request_id, token)
 
 
 def _fill_with_drafts(matcher, drafts: list[int], bitmask: np.ndarray, first_row: int) -> None:
