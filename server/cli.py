@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this HTTP port (default: off)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight (default %(default)s)")
+    g.add_argument("--gil-switch-interval-ms", type=float, default=1.0,
+                   help="how long a Python thread may hold the GIL while another waits "
+                   "(default %(default)s; CPython's own is 5). The engine thread must send the "
+                   "next step while the event loop streams the last step's tokens; waiting up "
+                   "to 5 ms for the GIL there leaves a remote worker idle")
     g.add_argument("--gc-threshold", type=int, default=DEFAULT_GEN0_THRESHOLD,
                    help="Python collector's generation-0 threshold, set after start-up when "
                    "the heap is frozen (default %(default)s; CPython's own is 700)")
@@ -290,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("Prometheus metrics on :%d/metrics", args.metrics_port)
     if args.gc_threshold < 1:
         sys.exit(f"server: --gc-threshold must be >= 1, got {args.gc_threshold}")
+    if args.gil_switch_interval_ms <= 0:
+        sys.exit("server: --gil-switch-interval-ms must be > 0, got "
+                 f"{args.gil_switch_interval_ms}")
+    sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
     try:
         engine = build_engine(args, metrics)
     except ValueError as exc:
