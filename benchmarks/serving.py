@@ -214,7 +214,7 @@ def cmd_codec(args) -> None:
     from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
                                   Scheduler, SchedulerConfig)
     from tokenbudget.proto import convert, worker_pb2
-    from tokenbudget.server.gc_policy import configure_gc
+    from tokenbudget.core.gc_policy import configure_gc
 
     rng = random.Random(0)
     default_thresholds = gc.get_threshold()

@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 
-from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 
 logger = logging.getLogger("tokenbudget.server")
 

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 
-from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD
+from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD
 
 
 def main(argv: list[str] | None = None) -> None:

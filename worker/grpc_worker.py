@@ -1,7 +1,7 @@
 """Serve one Worker over gRPC (service tokenbudget.v1.Worker).
 
 The model is loaded on Initialize (the server sends model path and configs);
-then the process's collector policy is applied (server/gc_policy.py: freeze
+then the process's collector policy is applied (core/gc_policy.py: freeze
 the loaded heap, raise generation 0's threshold), as the server does after
 its start-up, so collections stay out of the steps. ExecuteModel decodes
 incoming steps on a reader thread, so decoding step N+1 overlaps the forward
@@ -20,7 +20,7 @@ from concurrent import futures
 import grpc
 
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
-from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 
 logger = logging.getLogger(__name__)
 

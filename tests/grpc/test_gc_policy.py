@@ -1,4 +1,4 @@
-"""The collector policy of the engine and worker processes (server/gc_policy.py)."""
+"""The collector policy of the engine and worker processes (core/gc_policy.py)."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 from tokenbudget.server.cli import main
-from tokenbudget.server.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 
 
 class _Node:
