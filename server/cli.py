@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("workers")
     g.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                    help="a remote worker started with `python -m tokenbudget.worker --port P`; "
-                   "repeatable. Without it the model runs in this process.")
+                   "repeatable. Without it the model runs in this process. Several "
+                   "workers run every step in lockstep and the first one's output is used "
+                   "(a seam for tensor parallelism, not data parallelism: it adds no "
+                   "throughput).")
 
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
