@@ -233,7 +233,7 @@ def cmd_codec(args) -> None:
         # The engine's encoder and a worker's decoder: they share request handles.
         encoder, decoder = convert.SchedulerOutputEncoder(), convert.SchedulerOutputDecoder()
         reply_decoder = convert.ModelRunnerOutputDecoder()
-        t = {"schedule": 0.0, "update": 0.0, "encode": 0.0, "decode": 0.0}
+        t = {"schedule": 0.0, "update": 0.0, "encode": 0.0, "decode": 0.0, "wire": 0.0}
         gc_timer = _GCTimer()
         gc.callbacks.append(gc_timer)
         steps = 0
@@ -241,9 +241,13 @@ def cmd_codec(args) -> None:
             a = time.perf_counter()
             so = sched.schedule()
             b = time.perf_counter()
-            wire = encoder.encode(so).SerializeToString()
+            msg = encoder.encode(so)
+            b1 = time.perf_counter()
+            wire = msg.SerializeToString()
             c = time.perf_counter()
-            so2 = decoder.decode(worker_pb2.SchedulerOutput.FromString(wire))
+            msg = worker_pb2.SchedulerOutput.FromString(wire)
+            c1 = time.perf_counter()
+            so2 = decoder.decode(msg)
             d = time.perf_counter()
             # What the worker answers: one token per request whose prefill is done.
             req_ids = list(so2.num_scheduled_tokens)
@@ -254,10 +258,13 @@ def cmd_codec(args) -> None:
             steady = all(done) and len(req_ids) == n  # steady decode steps only are timed
             gc_timer.active = steady
             e = time.perf_counter()
-            wire2 = convert.model_runner_output_to_proto(mro, 0, req_ids).SerializeToString()
+            msg = convert.model_runner_output_to_proto(mro, 0, req_ids)
+            e1 = time.perf_counter()
+            wire2 = msg.SerializeToString()
             f = time.perf_counter()
-            mro2 = reply_decoder.decode(worker_pb2.ModelRunnerOutput.FromString(wire2),
-                                        list(so.num_scheduled_tokens))
+            msg = worker_pb2.ModelRunnerOutput.FromString(wire2)
+            f1 = time.perf_counter()
+            mro2 = reply_decoder.decode(msg, list(so.num_scheduled_tokens))
             g = time.perf_counter()
             sched.update_from_output(so, mro2)
             h = time.perf_counter()
@@ -267,6 +274,7 @@ def cmd_codec(args) -> None:
                 t["encode"] += (c - b) + (f - e)
                 t["decode"] += (d - c) + (g - f)
                 t["update"] += h - g
+                t["wire"] += (c - b1) + (c1 - c) + (f - e1) + (f1 - f)
                 sizes = (len(wire), len(wire2))
         gc.callbacks.remove(gc_timer)
         per = {k: v / steps * 1e6 for k, v in t.items()}
@@ -281,6 +289,10 @@ def cmd_codec(args) -> None:
                           "encode_us": round(per["encode"], 1),
                           "decode_us": round(per["decode"], 1),
                           "codec_over_scheduler": round(codec_us / sched_us, 3),
+                          # of the codec, protobuf's own serialize + parse (the
+                          # rest is converting to and from the engine's dataclasses)
+                          "wire_us": round(per["wire"], 1),
+                          "wire_over_scheduler": round(per["wire"] / sched_us, 3),
                           "gc_passes_by_generation": gc_timer.passes,
                           "gc_us_per_step": round(gc_timer.seconds / steps * 1e6, 1),
                           "step_bytes": {"scheduler_output": sizes[0],
