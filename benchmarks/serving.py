@@ -213,8 +213,8 @@ def cmd_codec(args) -> None:
 
     from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
                                   Scheduler, SchedulerConfig)
-    from tokenbudget.proto import convert, worker_pb2
     from tokenbudget.core.gc_policy import configure_gc
+    from tokenbudget.proto import convert, worker_pb2
 
     rng = random.Random(0)
     default_thresholds = gc.get_threshold()
@@ -329,7 +329,7 @@ def _cpu_seconds(pid: int | None = None) -> float:
 
 def _machine_busy_seconds() -> float:
     """CPU seconds all processes on this machine spent busy (summed over cores)."""
-    user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text()
+    user, nice, system, _idle, _iowait, *rest = map(int, Path("/proc/stat").read_text()
                                                    .split("\n", 1)[0].split()[1:])
     return (user + nice + system + sum(rest[:3])) / os.sysconf("SC_CLK_TCK")
 
@@ -375,6 +375,15 @@ def cmd_async_compare(args) -> None:
             "worker_steps": after.num_steps - before.num_steps,
             "worker_idle_fraction": round(1 - busy / wall, 3) if wall else None,
             "worker_compute_tokens_per_s": round(tokens / busy, 1) if busy else None,
+            # Busy seconds are wall time: on a machine where the worker waits
+            # for a core, they include the wait and flatter the ratio below.
+            # Tokens per worker CPU second (its whole process, so slightly low)
+            # is the compute rate the worker would reach with a core to itself.
+            "served_over_compute": round(busy / elapsed, 3) if busy else None,
+            "worker_cpu_tokens_per_s": (round(tokens / cpu["worker"], 1) if cpu["worker"]
+                                        else None),
+            "served_over_worker_cpu_rate": (round(cpu["worker"] / elapsed, 3)
+                                            if cpu["worker"] else None),
             "tpot_p50_ms": round(s["tpot"].get("p50_ms", 0.0), 2), "errors": s["errors"],
             # Which process ate the CPU: on a machine with few cores, server +
             # client + worker CPU seconds close to cores x duration means the
