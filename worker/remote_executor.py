@@ -149,7 +149,11 @@ class RemoteExecutor:
                     return  # another worker failed and cleared every pending step
                 step = conn.pending.popleft()
                 if reply.error:
-                    raise WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
+                    error = WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
+                    # No longer pending, so _fail would not reach this step.
+                    if not step.future.done():
+                        step.future.set_exception(error)
+                    raise error
                 if conn.rank == 0:
                     step.output = conn.decoder.decode(reply, step.req_ids)
                 with self._lock:

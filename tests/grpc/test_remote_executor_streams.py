@@ -1,0 +1,170 @@
+"""RemoteExecutor against a scripted in-process worker: the replies each step
+gets are the ones that worker sent for it, errors and a vanished worker fail
+steps with WorkerUnavailableError, and shutdown leaves nothing behind."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
+from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                      SchedulerOutput)
+from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.worker.remote_executor import RemoteExecutor, WorkerUnavailableError
+
+REQS = ["a", "b"]
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
+    """Samples token step_id * 10 + row for every request; fails step ``fail_at``."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.sent: dict[int, ModelRunnerOutput] = {}
+        self.half_closed = threading.Event()  # the engine ended its stream itself
+
+    def Initialize(self, request, context):
+        return worker_pb2.InitializeResponse(num_blocks=7)
+
+    def ExecuteModel(self, request_iterator, context):
+        decoder = convert.SchedulerOutputDecoder()
+        for msg in request_iterator:
+            ids = list(decoder.decode(msg).num_scheduled_tokens)
+            if msg.step_id == self.fail_at:
+                yield worker_pb2.ModelRunnerOutput(step_id=msg.step_id, error="scripted failure")
+                return
+            out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
+                                    [[msg.step_id * 10 + i] for i in range(len(ids))])
+            self.sent[msg.step_id] = out
+            yield convert.model_runner_output_to_proto(out, msg.step_id, ids)
+        self.half_closed.set()
+
+    def Health(self, request, context):
+        return worker_pb2.HealthResponse(healthy=True)
+
+
+@pytest.fixture
+def make_worker():
+    servers: list[grpc.Server] = []
+
+    def start(servicer: ScriptedWorker) -> tuple[grpc.Server, str]:
+        server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="scripted-worker"))
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return server, f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+def _connect(address: str) -> RemoteExecutor:
+    executor = RemoteExecutor([address], "scripted", connect_timeout=10)
+    assert executor.initialize(CacheConfig(block_size=4, num_blocks=8),
+                               SchedulerConfig(max_model_len=32)) == 7
+    return executor
+
+
+def _steps(n: int) -> list[SchedulerOutput]:
+    """A prefill of REQS, then decode steps."""
+    first = SchedulerOutput(
+        [NewRequestData(r, [5, 6, 7], [], SamplingParams(max_tokens=n), [1 + i], 0)
+         for i, r in enumerate(REQS)],
+        CachedRequestData(), {r: 3 for r in REQS}, 3 * len(REQS))
+    decodes = [SchedulerOutput([], CachedRequestData(list(REQS), [[] for _ in REQS],
+                                                     [3 + k] * len(REQS)),
+                               {r: 1 for r in REQS}, len(REQS)) for k in range(n - 1)]
+    return [first, *decodes]
+
+
+def test_waiting_on_a_later_step_resolves_the_earlier_ones_with_their_own_replies(make_worker):
+    worker = ScriptedWorker()
+    _, address = make_worker(worker)
+    executor = _connect(address)
+    try:
+        sent = [executor.execute_model(so) for so in _steps(4)]
+        last = sent[-1].result()
+        assert all(f.done() for f in sent)
+        got = [f.result() for f in sent[:-1]] + [last]
+        assert [(o.req_ids, o.sampled_token_ids) for o in got] == \
+            [(worker.sent[i].req_ids, worker.sent[i].sampled_token_ids) for i in (1, 2, 3, 4)]
+    finally:
+        executor.shutdown()
+
+
+def test_a_step_error_fails_that_step_and_every_later_one_once(make_worker):
+    _, address = make_worker(ScriptedWorker(fail_at=2))
+    executor = _connect(address)
+    failures: list[BaseException] = []
+    executor.add_failure_callback(failures.append)
+    try:
+        sent = [executor.execute_model(so) for so in _steps(3)]
+        assert sent[0].result().sampled_token_ids == [[10], [11]]
+        with pytest.raises(WorkerUnavailableError, match="scripted failure"):
+            sent[1].result()
+        with pytest.raises(WorkerUnavailableError, match="scripted failure"):
+            sent[2].result()
+        with pytest.raises(WorkerUnavailableError):
+            executor.execute_model(_steps(1)[0]).result()
+        assert len(failures) == 1 and "scripted failure" in str(failures[0])
+        assert not executor.health()
+    finally:
+        executor.shutdown()
+
+
+def test_a_worker_vanishing_while_no_step_is_awaited_is_reported_at_once(make_worker):
+    server, address = make_worker(ScriptedWorker())
+    executor = _connect(address)
+    failed = threading.Event()
+    executor.add_failure_callback(lambda exc: failed.set())
+    try:
+        steps = _steps(2)
+        executor.execute_model(steps[0]).result()
+        assert executor.health()
+        server.stop(0)
+        # Nobody waits on a step: the executor must notice by itself.
+        assert failed.wait(5.0)
+        assert not executor.health()
+        with pytest.raises(WorkerUnavailableError):
+            executor.execute_model(steps[1]).result()
+    finally:
+        executor.shutdown()
+
+
+def test_shutdown_half_closes_an_idle_stream_and_leaves_no_threads(make_worker):
+    worker = ScriptedWorker()
+    _, address = make_worker(worker)
+    before = set(threading.enumerate())
+    executor = _connect(address)
+    executor.execute_model(_steps(1)[0]).result()
+    executor.shutdown()
+    assert worker.half_closed.wait(5.0)
+
+    def ours() -> set[threading.Thread]:
+        return {t for t in set(threading.enumerate()) - before
+                if not t.name.startswith("scripted-worker")}
+
+    deadline = time.monotonic() + 5.0
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ours() == set()
+
+
+def test_shutdown_with_unread_replies_neither_hangs_nor_reports_a_failure(make_worker):
+    _, address = make_worker(ScriptedWorker())
+    executor = _connect(address)
+    failures: list[BaseException] = []
+    executor.add_failure_callback(failures.append)
+    pending = [executor.execute_model(so) for so in _steps(3)]
+    time.sleep(0.2)  # the replies arrive and nobody reads them
+    start = time.monotonic()
+    executor.shutdown()
+    assert time.monotonic() - start < 4.0
+    assert failures == []
+    assert all(f.done() for f in pending)
