@@ -19,8 +19,8 @@ from concurrent import futures
 
 import grpc
 
-from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -147,13 +147,9 @@ class RemoteExecutor:
             for reply in stream:
                 if not conn.pending:
                     return  # another worker failed and cleared every pending step
+                if reply.error:  # the step stays pending: _fail fails it with the rest
+                    raise WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
                 step = conn.pending.popleft()
-                if reply.error:
-                    error = WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
-                    # No longer pending, so _fail would not reach this step.
-                    if not step.future.done():
-                        step.future.set_exception(error)
-                    raise error
                 if conn.rank == 0:
                     step.output = conn.decoder.decode(reply, step.req_ids)
                 with self._lock:

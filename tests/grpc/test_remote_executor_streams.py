@@ -17,6 +17,8 @@ from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 from tokenbudget.worker.remote_executor import RemoteExecutor, WorkerUnavailableError
 
 REQS = ["a", "b"]
+# Every wait is bounded: a step that is never answered fails the test instead of hanging it.
+_WAIT = 10
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
@@ -89,9 +91,9 @@ def test_waiting_on_a_later_step_resolves_the_earlier_ones_with_their_own_replie
     executor = _connect(address)
     try:
         sent = [executor.execute_model(so) for so in _steps(4)]
-        last = sent[-1].result()
+        last = sent[-1].result(timeout=_WAIT)
         assert all(f.done() for f in sent)
-        got = [f.result() for f in sent[:-1]] + [last]
+        got = [f.result(timeout=_WAIT) for f in sent[:-1]] + [last]
         assert [(o.req_ids, o.sampled_token_ids) for o in got] == \
             [(worker.sent[i].req_ids, worker.sent[i].sampled_token_ids) for i in (1, 2, 3, 4)]
     finally:
@@ -105,13 +107,13 @@ def test_a_step_error_fails_that_step_and_every_later_one_once(make_worker):
     executor.add_failure_callback(failures.append)
     try:
         sent = [executor.execute_model(so) for so in _steps(3)]
-        assert sent[0].result().sampled_token_ids == [[10], [11]]
+        assert sent[0].result(timeout=_WAIT).sampled_token_ids == [[10], [11]]
         with pytest.raises(WorkerUnavailableError, match="scripted failure"):
-            sent[1].result()
+            sent[1].result(timeout=_WAIT)
         with pytest.raises(WorkerUnavailableError, match="scripted failure"):
-            sent[2].result()
+            sent[2].result(timeout=_WAIT)
         with pytest.raises(WorkerUnavailableError):
-            executor.execute_model(_steps(1)[0]).result()
+            executor.execute_model(_steps(1)[0]).result(timeout=_WAIT)
         assert len(failures) == 1 and "scripted failure" in str(failures[0])
         assert not executor.health()
     finally:
@@ -125,14 +127,14 @@ def test_a_worker_vanishing_while_no_step_is_awaited_is_reported_at_once(make_wo
     executor.add_failure_callback(lambda exc: failed.set())
     try:
         steps = _steps(2)
-        executor.execute_model(steps[0]).result()
+        executor.execute_model(steps[0]).result(timeout=_WAIT)
         assert executor.health()
         server.stop(0)
         # Nobody waits on a step: the executor must notice by itself.
         assert failed.wait(5.0)
         assert not executor.health()
         with pytest.raises(WorkerUnavailableError):
-            executor.execute_model(steps[1]).result()
+            executor.execute_model(steps[1]).result(timeout=_WAIT)
     finally:
         executor.shutdown()
 
@@ -142,7 +144,7 @@ def test_shutdown_half_closes_an_idle_stream_and_leaves_no_threads(make_worker):
     _, address = make_worker(worker)
     before = set(threading.enumerate())
     executor = _connect(address)
-    executor.execute_model(_steps(1)[0]).result()
+    executor.execute_model(_steps(1)[0]).result(timeout=_WAIT)
     executor.shutdown()
     assert worker.half_closed.wait(5.0)
 
