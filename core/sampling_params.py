@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -62,6 +63,15 @@ class StructuredOutputParams:
 
 @dataclass(slots=True)
 class SamplingParams:
+    """What to sample and when to stop, with vLLM's names and meanings.
+
+    Token-id fields (``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``,
+    ``bad_words_token_ids``) are checked against the vocabulary by the front
+    that knows it (``InputProcessor.check_params``); strings (``stop``,
+    ``bad_words``) are matched or tokenized there too, since core has no
+    tokenizer.
+    """
+
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -75,6 +85,34 @@ class SamplingParams:
     # Number of top logprobs to return per generated token, or None.
     logprobs: int | None = None
     structured: StructuredOutputParams | dict | None = None
+    # Stop when the detokenized output contains one of these strings; the
+    # text ends before it unless include_stop_str_in_output.
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
+    # transformers' semantics over prompt and output: a seen token's logit is
+    # divided by it when positive, multiplied when negative. 1 = off.
+    repetition_penalty: float = 1.0
+    # OpenAI's semantics over the output: logit -= frequency * count
+    # + presence * (count > 0).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # token id -> bias added to its logit, in [-100, 100] as OpenAI allows.
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate: tokenized by the front (with and without a
+    # leading space) into bad_words_token_ids; a sequence's last token is
+    # banned right after the rest of it was generated.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Independent samples of the prompt (its KV is computed once and shared).
+    n: int = 1
+    # Top-n logprobs of every prompt token (with the prompt token itself).
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Keep only the last k prompt tokens.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -82,31 +120,69 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_number("temperature", self.temperature, 0, _MAX_TEMPERATURE)
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, minimum=-1)
-        _check_number("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_number("min_p", self.min_p, 0, 1)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, minimum=0)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids or [])
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         self.structured = StructuredOutputParams.coerce(self.structured)
+        self.stop = _string_list("stop", self.stop)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= _MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {_MAX_REPETITION_PENALTY}], "
+                             f"got {self.repetition_penalty}")
+        _check_number("frequency_penalty", self.frequency_penalty, -2, 2)
+        _check_number("presence_penalty", self.presence_penalty, -2, 2)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it unset to "
+                                 "allow every token)")
+        if self.bad_words is not None:
+            self.bad_words = _string_list("bad_words", self.bad_words) or None
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [
+                _int_list(f"bad_words_token_ids[{i}]", seq, non_empty=True)
+                for i, seq in enumerate(_sequence("bad_words_token_ids",
+                                                  self.bad_words_token_ids))] or None
+        _check_int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Samples of one prompt; vLLM has no limit, but each one is a request of its own.
+MAX_N = 128
+_MAX_REPETITION_PENALTY = 100.0
+# Past this the distribution is uniform to float32 precision anyway; +inf would give NaN.
+_MAX_TEMPERATURE = 1e4
+_MAX_LOGIT_BIAS = 100.0
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
@@ -116,6 +192,50 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+def _check_number(name: str, value: Any, low: float | None = None,
+                  high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and high is not None and not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _sequence(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _int_list(name: str, value: Any, *, non_empty: bool = False) -> list[int]:
+    values = _sequence(name, value)
+    for t in values:
+        _check_int(name, t, minimum=0)
+    if non_empty and not values:
+        raise ValueError(f"{name} must not be empty")
+    return values
+
+
+def _string_list(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else _sequence(name, value)
+    for i, s in enumerate(values):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"{name}[{i}] must be a non-empty string, got {s!r}")
+    return values
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                         f"{type(value).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        # OpenAI clients send JSON, whose object keys are strings.
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        _check_int("logit_bias key", token, minimum=0)
+        _check_number(f"logit_bias[{token}]", bias, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
+        out[token] = float(bias)
+    return out or None

@@ -117,7 +117,13 @@ def value_from_proto(msg: common_pb2.Value) -> Any:
 # -- sampling params ----------------------------------------------------------------
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k",
-                             "min_p", "seed", "ignore_eos", "logprobs")
+                             "min_p", "seed", "ignore_eos", "logprobs",
+                             "include_stop_str_in_output", "repetition_penalty",
+                             "frequency_penalty", "presence_penalty", "n", "prompt_logprobs",
+                             "skip_special_tokens", "spaces_between_special_tokens",
+                             "truncate_prompt_tokens")
+# Repeated fields whose empty value means unset (None or the default).
+_LIST_SAMPLING_FIELDS = ("stop_token_ids", "stop", "allowed_token_ids", "bad_words")
 
 
 def sampling_params_to_proto(sp: SamplingParams, out: common_pb2.SamplingParams) -> None:
@@ -125,7 +131,14 @@ def sampling_params_to_proto(sp: SamplingParams, out: common_pb2.SamplingParams)
         value = getattr(sp, name)
         if value is not None:
             setattr(out, name, value)
-    out.stop_token_ids.extend(sp.stop_token_ids)
+    for name in _LIST_SAMPLING_FIELDS:
+        values = getattr(sp, name)
+        if values:
+            getattr(out, name).extend(values)
+    if sp.logit_bias:
+        out.logit_bias.update(sp.logit_bias)
+    for seq in sp.bad_words_token_ids or ():
+        out.bad_words_token_ids.add(ids=seq)
     if sp.structured is not None:
         structured_to_proto(sp.structured, out.structured)
 
@@ -135,8 +148,14 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
     ValueError naming the field (SamplingParams validates itself)."""
     kwargs: dict[str, Any] = {n: getattr(msg, n) for n in _OPTIONAL_SAMPLING_FIELDS
                               if msg.HasField(n)}
-    if msg.stop_token_ids:
-        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    for name in _LIST_SAMPLING_FIELDS:
+        values = getattr(msg, name)
+        if values:
+            kwargs[name] = list(values)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.bad_words_token_ids:
+        kwargs["bad_words_token_ids"] = [list(t.ids) for t in msg.bad_words_token_ids]
     if msg.HasField("structured"):
         kwargs["structured"] = structured_from_proto(msg.structured)
     return SamplingParams(**kwargs)

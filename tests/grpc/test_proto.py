@@ -311,6 +311,27 @@ def test_unset_sampling_fields_take_engine_defaults_and_bad_values_name_the_fiel
             common_pb2.SamplingParams(structured=common_pb2.StructuredOutput()))
 
 
+def test_every_sampling_field_round_trips():
+    # Every field set to a non-default value: a field the converter forgets
+    # comes back as its default and fails the comparison.
+    params = SamplingParams(
+        max_tokens=9, min_tokens=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=11,
+        stop_token_ids=[3], ignore_eos=True, logprobs=2, structured={"regex": "[ab]+"},
+        stop=["END", "\n\n"], include_stop_str_in_output=True, repetition_penalty=1.3,
+        frequency_penalty=0.5, presence_penalty=-0.25, logit_bias={7: 2.5, 9: -100.0},
+        allowed_token_ids=[7, 9, 11], bad_words=["darn"], bad_words_token_ids=[[4, 5], [6]],
+        n=3, prompt_logprobs=1, skip_special_tokens=False,
+        spaces_between_special_tokens=False, truncate_prompt_tokens=100)
+    defaults = SamplingParams()
+    unchanged = [f for f in params.to_dict() if getattr(params, f) == getattr(defaults, f)]
+    assert unchanged == []
+    msg = common_pb2.SamplingParams()
+    convert.sampling_params_to_proto(params, msg)
+    back = convert.sampling_params_from_proto(common_pb2.SamplingParams.FromString(
+        msg.SerializeToString()))
+    assert back == params
+
+
 def test_configs_round_trip():
     cache = CacheConfig(block_size=8, num_blocks=100, enable_prefix_caching=False,
                         kv_cache_memory_bytes=None, hash_algo="sha256")
