@@ -176,13 +176,15 @@ class RemoteExecutor:
             pending = [s for c in self._conns for s in c.pending]
             for c in self._conns:
                 c.pending.clear()
-        for step in pending:
-            if not step.future.done():
-                step.future.set_exception(exc)
         if first:
+            # Before the futures: whoever sees a failed step can count on the
+            # failure having been reported.
             logger.error("%s", exc)
             for callback in self._failure_callbacks:
                 callback(exc)
+        for step in pending:
+            if not step.future.done():
+                step.future.set_exception(exc)
 
 
 def _describe(exc: BaseException) -> str:
