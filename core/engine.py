@@ -53,6 +53,10 @@ class EngineCore:
     def abort_requests(self, request_ids) -> list[str]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def stop_requests(self, request_ids) -> list[str]:
+        """Finish requests whose stop condition the front found (a stop string)."""
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 

@@ -100,6 +100,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # Why an aborted request failed (e.g. its grammar did not compile), for the caller to raise.
     error: Exception | None = None
+    # Prompt logprobs computed this step, for prompt tokens 1.. in order (token
+    # 0 has none); each {prompt token: logprob} plus the top-n.
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

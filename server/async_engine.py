@@ -23,6 +23,7 @@ from tokenbudget.core.engine import EngineCore
 from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.request import Request
 from tokenbudget.core.scheduler import DuplicateRequestError
+from tokenbudget.server.output_processor import SampleState
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +34,18 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(slots=True)
 class Chunk:
-    """What one read from a RequestStream yields: everything new since the last read."""
+    """What one read from a RequestStream yields: everything new of one
+    sample (``index``) since the last read."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    stop_reason: int | str | None = None
+    # Prompt logprobs (entry 0 is None), on the first chunk that follows them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -66,23 +72,43 @@ class _Timing:
 
 
 class RequestStream:
-    """Iterate for Chunks until the one with a finish reason. Raises the
-    engine's error (ValueError from the scheduler, EngineDeadError) instead.
+    """Iterate for Chunks until every sample of the request has finished.
+    Raises the engine's error (ValueError from the scheduler,
+    EngineDeadError) instead.
 
     Read it from a thread (``for chunk in stream``) or from an asyncio event
     loop (``async for chunk in stream``); the engine thread wakes an async
-    reader through its loop, once per step for all the loop's streams."""
+    reader through its loop, once per step for all the loop's streams.
+    ``on_stop(engine_request_id)`` is called (on the reader's side) when a
+    stop string ends a sample the engine is still running."""
 
-    def __init__(self, request: Request, detokenizer: Any | None) -> None:
-        self.request_id = request.request_id
-        self.num_prompt_tokens = request.num_prompt_tokens
+    def __init__(self, requests: Request | list[Request],
+                 samples: list[SampleState] | None = None,
+                 on_stop: Callable[[str], None] | None = None, *,
+                 request_id: str | None = None) -> None:
+        """``samples``: one per request (default: token ids only, no text)."""
+        if isinstance(requests, Request):
+            requests = [requests]
+        if samples is None:
+            samples = [SampleState(i, r.sampling_params, None) for i, r in enumerate(requests)]
+        self.request_id = request_id or requests[0].request_id
+        self.num_prompt_tokens = requests[0].num_prompt_tokens
+        # Engine request id -> its sample.
+        self.samples = {r.request_id: s for r, s in zip(requests, samples)}
+        self._on_stop = on_stop
+        self._num_live = len(samples)
+        self._prompt_logprobs: list[dict[int, float] | None] | None = None
         self._queue: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
-        self._detokenizer = detokenizer
         self.timing = _Timing(time.monotonic())
         self.num_output_tokens = 0
         # Set by an async reader (on its loop) before it first looks at the queue.
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every sample has finished (its last chunk was read)."""
+        return self._num_live == 0
 
     def put(self, item: RequestOutput | BaseException, *, wake: bool = True) -> None:
         """Queue an item; ``wake=False`` leaves waking an async reader to the
@@ -92,46 +118,54 @@ class RequestStream:
             wake_async_readers([self])
 
     def __iter__(self) -> Iterator[Chunk]:
-        while True:
-            chunk = self._take(self._queue.get())
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+        while not self.finished:
+            yield from self._take(self._queue.get())
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         self._ready = asyncio.Event()
         self.loop = asyncio.get_running_loop()
-        while True:
+        while not self.finished:
             # Clear before looking: an item queued after the look sets it again.
             self._ready.clear()
             if self._queue.empty():
                 await self._ready.wait()
                 continue
-            chunk = self._take(self._queue.get_nowait())
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+            for chunk in self._take(self._queue.get_nowait()):
+                yield chunk
 
-    def _take(self, first: RequestOutput | BaseException) -> Chunk:
+    def _take(self, first: RequestOutput | BaseException) -> list[Chunk]:
         items = [first]
-        # Coalesce what piled up while the reader was slow: one chunk, one message.
+        # Coalesce what piled up while the reader was slow: one chunk per sample.
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
-        chunk = Chunk([], "")
+        by_sample: dict[str, list[RequestOutput]] = {}
         for item in items:
             if isinstance(item, BaseException):
                 raise item
-            chunk.token_ids.extend(item.new_token_ids)
-            chunk.num_cached_tokens = max(item.num_cached_tokens, 0)
-            if item.logprobs is not None:
-                chunk.logprobs = (chunk.logprobs or []) + list(item.logprobs)
-            chunk.finish_reason = item.finish_reason
-        self.num_output_tokens += len(chunk.token_ids)
-        if self._detokenizer is not None:
-            chunk.text = self._detokenizer.add(chunk.token_ids)
-            if chunk.finish_reason is not None:
-                chunk.text += self._detokenizer.flush()
-        return chunk
+            if item.prompt_logprobs:
+                self._prompt_logprobs = (self._prompt_logprobs or [None]) + \
+                    item.prompt_logprobs
+            by_sample.setdefault(item.request_id, []).append(item)
+        chunks = []
+        for rid, outputs in by_sample.items():
+            sample = self.samples[rid]
+            if sample.finished:
+                continue  # stopped by a string while later steps were in flight
+            delta = sample.update(outputs)
+            if delta is None:
+                continue
+            chunk = Chunk(delta.token_ids, delta.text, delta.finish_reason,
+                          max(outputs[-1].num_cached_tokens, 0), delta.logprobs, delta.index,
+                          delta.stop_reason)
+            if self._prompt_logprobs is not None and chunk.token_ids:
+                chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+            self.num_output_tokens += len(chunk.token_ids)
+            if sample.finished:
+                self._num_live -= 1
+                if sample.stopped_by_string and self._on_stop is not None:
+                    self._on_stop(rid)
+            chunks.append(chunk)
+        return chunks
 
 
 def wake_async_readers(streams: list[RequestStream]) -> None:
@@ -182,7 +216,10 @@ class AsyncEngine:
 
             scheduler.structured_output_manager = StructuredOutputManager(
                 input_processor.tokenizer, input_processor.vocab_size)
+        # Engine request id (one per sample) -> its stream, while the engine runs it.
         self._streams: dict[str, RequestStream] = {}
+        # The caller's request id -> its stream, while any of its samples runs.
+        self._groups: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._commands: list[Callable[[], None]] = []
         self._wakeup = threading.Condition(self._lock)
@@ -205,34 +242,55 @@ class AsyncEngine:
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
         self._death_callbacks.append(callback)
 
-    def add_request(self, request: Request, *, detokenize: bool = True) -> RequestStream:
-        """Queue a request; errors found now raise here (DuplicateRequestError,
-        ValueError, EngineDeadError), later ones come out of the stream."""
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(f"prompt has {request.num_tokens} tokens, more than "
+    def add_request(self, request: Request | list[Request], *, detokenize: bool = True,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request, or the samples of one (request_builder.build_requests,
+        ``request_id`` the caller's id for them all); errors found now raise
+        here (DuplicateRequestError, ValueError, EngineDeadError), later ones
+        come out of the stream."""
+        requests = [request] if isinstance(request, Request) else list(request)
+        request_id = request_id or requests[0].request_id
+        if requests[0].num_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {requests[0].num_tokens} tokens, more than "
                              f"max_model_len={self.max_model_len}")
-        detok = None
-        if detokenize and self.input_processor is not None:
-            detok = self.input_processor.detokenizer()
-        stream = RequestStream(request, detok)
+        samples = []
+        for i, r in enumerate(requests):
+            params = r.sampling_params
+            detok = None
+            if detokenize and self.input_processor is not None:
+                detok = self.input_processor.detokenizer(params.skip_special_tokens,
+                                                         params.spaces_between_special_tokens)
+            elif params.stop:
+                raise ValueError("sampling_params.stop: stop strings need the engine to "
+                                 "detokenize (an input processor, detokenize=True)")
+            samples.append(SampleState(i, params, detok))
+        stream = RequestStream(requests, samples, self._stop_sample, request_id=request_id)
         with self._lock:
             self._check_alive()
-            if request.request_id in self._streams:
-                raise DuplicateRequestError(f"request_id {request.request_id!r} already exists")
-            self._streams[request.request_id] = stream
-            self._commands.append(lambda: self._add(request, stream))
+            taken = [rid for rid in (request_id, *stream.samples)
+                     if rid in self._streams or rid in self._groups]
+            if taken:
+                raise DuplicateRequestError(f"request_id {taken[0]!r} already exists")
+            self._groups[request_id] = stream
+            for rid in stream.samples:
+                self._streams[rid] = stream
+            self._commands.append(lambda: self._add(requests, stream))
             self._wakeup.notify()
         return stream
 
     def abort(self, request_id: str) -> bool:
-        """Abort a live request (its stream ends with finish reason "abort");
-        False if no such request is live."""
+        """Abort a live request, every sample of it (its stream ends with
+        finish reason "abort"); False if no such request is live."""
         with self._lock:
-            if request_id not in self._streams:
+            if request_id not in self._groups:
                 return False
             self._commands.append(lambda: self._abort(request_id))
             self._wakeup.notify()
         return True
+
+    def _stop_sample(self, rid: str) -> None:
+        # A reader matched a stop string: the engine may still be running the sample.
+        self._submit(lambda: self._finish_stopped(rid))
 
     def get_stats(self, timeout: float = 10.0) -> EngineStats:
         if not self.healthy:
@@ -243,14 +301,14 @@ class AsyncEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self._streams)
+        return len(self._groups)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is live; False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
+        while self._groups and time.monotonic() < deadline:
             time.sleep(0.02)
-        return not self._streams
+        return not self._groups
 
     def shutdown(self) -> None:
         with self._lock:
@@ -302,22 +360,47 @@ class AsyncEngine:
     def _raise(exc: BaseException) -> None:
         raise exc
 
-    def _add(self, request: Request, stream: RequestStream) -> None:
+    def _add(self, requests: list[Request], stream: RequestStream) -> None:
+        added = []
         try:
-            self.core.add_request(request)
+            for request in requests:
+                self.core.add_request(request)
+                added.append(request.request_id)
         except ValueError as exc:
-            self._close(request.request_id)
+            self.core.abort_requests(added)
+            for rid in stream.samples:
+                self._close(rid)
             stream.put(exc)
 
     def _abort(self, request_id: str) -> None:
-        stream = self._close(request_id)
-        if stream is not None:
-            self.core.abort_requests([request_id])
-            stream.put(RequestOutput(request_id, [], "abort"))
+        stream = self._groups.get(request_id)
+        if stream is None:
+            return
+        live = [rid for rid in stream.samples if self._close(rid) is not None]
+        self.core.abort_requests(live)
+        for rid in live:
+            stream.put(RequestOutput(rid, [], "abort"))
 
-    def _close(self, request_id: str) -> RequestStream | None:
+    def _finish_stopped(self, rid: str) -> None:
+        if self._sample_done(rid, time.monotonic()):
+            self.core.stop_requests([rid])
+
+    def _sample_done(self, rid: str, now: float) -> bool:
+        """A sample finished; False if it was no longer live."""
+        stream = self._close(rid)
+        if stream is None:
+            return False
+        if self.metrics is not None and stream.request_id not in self._groups:
+            self.metrics.observe_finished(stream.timing, now)  # the request's last sample
+        return True
+
+    def _close(self, rid: str) -> RequestStream | None:
+        """Forget a sample the engine no longer runs (and its stream with its last one)."""
         with self._lock:
-            return self._streams.pop(request_id, None)
+            stream = self._streams.pop(rid, None)
+            if stream is not None and not any(r in self._streams for r in stream.samples):
+                self._groups.pop(stream.request_id, None)
+            return stream
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -334,9 +417,7 @@ class AsyncEngine:
                 timing.first_token = now
             timing.num_tokens += n
             if out.finished:
-                self._close(out.request_id)
-                if metrics is not None:
-                    metrics.observe_finished(timing, now)
+                self._sample_done(out.request_id, now)
             # A request that failed (its grammar did not compile) raises in the reader.
             stream.put(out if out.error is None else out.error, wake=False)
             if stream.loop is not None:
@@ -348,7 +429,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            streams, self._streams = self._streams, {}
+            streams, self._streams, self._groups = self._groups, {}, {}
         for stream in streams.values():
             stream.put(exc)
 
@@ -357,7 +438,7 @@ class AsyncEngine:
         pool = self.core.scheduler.kv_cache_manager.block_pool
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
-            num_requests=len(self._streams), kv_cache_usage=s.kv_cache_usage,
+            num_requests=len(self._groups), kv_cache_usage=s.kv_cache_usage,
             num_free_blocks=pool.get_num_free_blocks(),
             num_total_blocks=self.core.scheduler.cache_config.num_blocks - 1,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,

@@ -21,6 +21,7 @@ from tokenbudget.core.scheduler import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured_output import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
+from tokenbudget.server.request_builder import build_requests
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             req, stream = self._submit(request)
         except _SERVED_ERRORS as exc:
             context.abort(_status_of(exc), str(exc))
-        rid = req.request_id
+        rid = stream.request_id
         # A client that cancels or disconnects frees its KV within one step.
         context.add_callback(lambda: self.engine.abort(rid))
-        reply = _Replies(req)
+        reply = _Replies(req, rid)
         try:
             for chunk in stream:
                 yield reply.message(chunk)
@@ -67,12 +68,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(_status_of(exc), str(exc))
 
     def _submit(self, request: generate_pb2.GenerateRequest) -> tuple[Request, RequestStream]:
+        """Returns the first sample's Request (they share the prompt) and the stream."""
         if self.draining.is_set():
             raise EngineDeadError("the server is shutting down")
-        req = self._make_request(request)
-        return req, self.engine.add_request(req)
+        rid, requests = self._make_requests(request)
+        return requests[0], self.engine.add_request(requests, request_id=rid)
 
-    def _make_request(self, request: generate_pb2.GenerateRequest) -> Request:
+    def _make_requests(self, request: generate_pb2.GenerateRequest) -> tuple[str, list[Request]]:
         engine = self.engine
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         if not rid:
@@ -90,15 +92,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 manager.validate(params.structured)
             except ValueError as exc:
                 raise ValueError(f"sampling_params.{exc}") from None
-        token_ids, features = engine.input_processor.process(self._prompt(request))
-        eos, *more_eos = engine.eos_token_ids or [None]
-        if more_eos and not params.ignore_eos:
-            # Request holds one EOS id; the checkpoint's others stop like stop tokens.
-            params = dataclasses.replace(
-                params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
-        return Request(rid, token_ids, params, eos_token_id=eos, priority=request.priority,
-                       mm_features=features,
-                       cache_salt=request.cache_salt if request.HasField("cache_salt") else None)
+        prompt = self._prompt(request)
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        return rid, build_requests(engine.input_processor, rid, prompt, params,
+                                   eos_token_ids=engine.eos_token_ids,
+                                   priority=request.priority, cache_salt=cache_salt)
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> dict:
         """The InputProcessor's prompt form for the request's input oneof."""
@@ -167,18 +165,17 @@ class AioGenerationServicer(GenerationServicer):
                 None, self._submit, request)
         except _SERVED_ERRORS as exc:
             await context.abort(_status_of(exc), str(exc))
-        reply = _Replies(req)
-        finished = False
+        reply = _Replies(req, stream.request_id)
+        failed = False
         try:
             async for chunk in stream:
-                finished = chunk.finish_reason is not None
                 await context.write(reply.message(chunk))
         except _SERVED_ERRORS as exc:
-            finished = True
+            failed = True
             await context.abort(_status_of(exc), str(exc))
         finally:
-            if not finished:  # the client cancelled or went away: free its KV
-                self.engine.abort(req.request_id)
+            if not (failed or stream.finished):  # the client cancelled or went away
+                self.engine.abort(stream.request_id)  # free its KV
 
     async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         if not self.engine.abort(request.request_id):
@@ -204,25 +201,37 @@ def _not_live(request_id: str) -> str:
 
 
 class _Replies:
-    """GenerateResponse messages of one request (usage goes on the last)."""
+    """GenerateResponse messages of one request (a sample's usage goes on its last)."""
 
-    __slots__ = ("completion", "request")
+    __slots__ = ("completion", "request", "request_id")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, request_id: str) -> None:
         self.request = request
-        self.completion = 0
+        self.request_id = request_id
+        self.completion: dict[int, int] = {}  # sample index -> tokens sent
 
     def message(self, chunk: Chunk) -> generate_pb2.GenerateResponse:
-        self.completion += len(chunk.token_ids)
-        msg = generate_pb2.GenerateResponse(request_id=self.request.request_id,
+        completion = self.completion.get(chunk.index, 0) + len(chunk.token_ids)
+        self.completion[chunk.index] = completion
+        msg = generate_pb2.GenerateResponse(request_id=self.request_id, index=chunk.index,
                                             token_ids=chunk.token_ids, text=chunk.text)
         if chunk.logprobs:
             for per_token in chunk.logprobs:
                 msg.logprobs.add(token_ids=per_token.keys(), logprobs=per_token.values())
+        if chunk.prompt_logprobs:
+            for per_token in chunk.prompt_logprobs:
+                entry = msg.prompt_logprobs.add()
+                if per_token:  # the first prompt token has none
+                    entry.token_ids.extend(per_token.keys())
+                    entry.logprobs.extend(per_token.values())
         if chunk.finish_reason is not None:
             msg.finish_reason = chunk.finish_reason
+            if isinstance(chunk.stop_reason, str):
+                msg.stop_string = chunk.stop_reason
+            elif isinstance(chunk.stop_reason, int):
+                msg.stop_token_id = chunk.stop_reason
             msg.usage.prompt_tokens = self.request.num_prompt_tokens
-            msg.usage.completion_tokens = self.completion
+            msg.usage.completion_tokens = completion
             msg.usage.cached_tokens = chunk.num_cached_tokens
         return msg
 

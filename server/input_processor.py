@@ -1,10 +1,12 @@
 """Prompts in, token ids out (and token ids back to text, incrementally)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from tokenbudget.core.request import MultiModalFeature
+from tokenbudget.core.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
 
@@ -35,10 +37,43 @@ class InputProcessor:
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
 
-    def process(self, prompt: Prompt) -> tuple[list[int], list[MultiModalFeature]]:
+    def process(self, prompt: Prompt, truncate_prompt_tokens: int | None = None
+                ) -> tuple[list[int], list[MultiModalFeature]]:
         token_ids, features = self._tokenize(prompt)
+        if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
+            token_ids, features = _keep_last(token_ids, features, truncate_prompt_tokens)
         self.validate(token_ids)
         return token_ids, features
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Check ``params``' token ids against the vocabulary and tokenize its
+        bad words; returns the params to use (a copy when something was added)."""
+        vocab = self.vocab_size
+        ids = {"stop_token_ids": params.stop_token_ids,
+               "logit_bias": list(params.logit_bias or ()),
+               "allowed_token_ids": params.allowed_token_ids or ()}
+        for i, seq in enumerate(params.bad_words_token_ids or ()):
+            ids[f"bad_words_token_ids[{i}]"] = seq
+        for name, values in ids.items():
+            bad = next((t for t in values if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the model's vocabulary "
+                                 f"[0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {value}")
+        if not params.bad_words:
+            return params
+        sequences = list(params.bad_words_token_ids or [])
+        for word in params.bad_words:
+            # Like vLLM: the word as is and after a space (most BPEs fold a
+            # leading space into the first token, so both forms are banned).
+            for text in (word.lstrip(), " " + word.lstrip()):
+                seq = self.tokenizer.encode(text, add_special_tokens=False)
+                if seq and seq not in sequences:
+                    sequences.append(seq)
+        return dataclasses.replace(params, bad_words_token_ids=sequences or None)
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], list[MultiModalFeature]]:
         if isinstance(prompt, str):
@@ -88,8 +123,23 @@ class InputProcessor:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens,
+                                      spaces_between_special_tokens)
+
+
+def _keep_last(token_ids: list[int], features: list[MultiModalFeature], k: int
+               ) -> tuple[list[int], list[MultiModalFeature]]:
+    """truncate_prompt_tokens: the last ``k`` tokens; an image may not be cut."""
+    cut = len(token_ids) - k
+    kept = []
+    for f in features:
+        if f.offset < cut:
+            raise ValueError(f"truncate_prompt_tokens={k} would cut image {f.mm_hash} out of "
+                             f"the prompt ({len(token_ids)} tokens); keep more tokens")
+        kept.append(dataclasses.replace(f, offset=f.offset - cut))
+    return token_ids[cut:], kept
 
 
 def _has_images(messages: Any) -> bool:
@@ -101,38 +151,100 @@ def _has_images(messages: Any) -> bool:
 class IncrementalDetokenizer:
     """Text deltas for a stream of token ids, never splitting a UTF-8 character.
 
-    A byte-level token may hold part of a character; decoding it alone gives
-    U+FFFD. We hold such tails back until the next token completes them, and
-    decode a short window (from ``prefix_offset``) rather than the whole text.
+    A byte-level token may hold part of a character; such tails are held back
+    until a later token completes them (``flush`` gives them as they are at
+    the end). Fast tokenizers use the tokenizers library's ``DecodeStream``
+    (about 10x cheaper per token than re-decoding a window); others decode a
+    short window from ``prefix_offset``.
+
+    ``spaces_between_special_tokens`` has the meaning transformers' slow
+    tokenizers gave it (fast ones ignore it): added tokens (special or not,
+    unless skipped) and the runs of ordinary tokens between them are decoded
+    separately and joined with single spaces.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
-        self._prefix_offset = 0
-        self._read_offset = 0
+        # Token id -> its text, for the added tokens that split segments.
+        self._added = _added_tokens(tokenizer, skip_special_tokens) \
+            if spaces_between_special_tokens else {}
+        self._joined_any = False  # a sub-text was emitted: the next one needs a space
+        self._segment_start = 0   # first id of the current run of ordinary tokens
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        self._new_segment()
+
+    def _new_segment(self) -> None:
+        self._segment_start = len(self.token_ids)
+        self._prefix_offset = self._read_offset = self._segment_start
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly completed text (maybe empty)."""
-        self.token_ids.extend(token_ids)
+        parts = []
+        for token in token_ids:
+            if token in self._added:
+                parts.append(self._take_pending())
+                parts.append((" " if self._joined_any else "") + self._added[token])
+                self._joined_any = True
+                self.token_ids.append(token)
+                self._new_segment()
+                continue
+            if len(self.token_ids) == self._segment_start:
+                if self._joined_any:
+                    parts.append(" ")  # a run of ordinary tokens after an added token
+                self._joined_any = bool(self._added)
+            self.token_ids.append(token)
+            if self._stream is None:
+                parts.append(self._window_delta())
+            else:
+                piece = self._stream.step(self._backend, token)
+                if piece:
+                    parts.append(piece)
+                    self._read_offset = len(self.token_ids)
+        delta = "".join(parts)
+        self.text += delta
+        return delta
+
+    def _window_delta(self) -> str:
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        self.text += delta
-        return delta
+        return full[len(prefix):]
 
     def flush(self) -> str:
         """At the end of the stream: whatever was held back, as is."""
-        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        delta = self._decode(self.token_ids[self._prefix_offset:])[len(prefix):]
-        self._prefix_offset = self._read_offset = len(self.token_ids)
+        delta = self._take_pending()
         self.text += delta
         return delta
+
+    def _take_pending(self) -> str:
+        if self._read_offset == len(self.token_ids):
+            return ""
+        # Decode from the run's start so context-dependent decoders (a leading
+        # space stripped at the start) see what the full decode sees.
+        start = self._segment_start if self._stream is not None else self._prefix_offset
+        prefix = self._decode(self.token_ids[start:self._read_offset])
+        delta = self._decode(self.token_ids[start:])[len(prefix):]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return delta
+
+
+def _added_tokens(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
+    """Added tokens that stand as sub-texts of their own (special ones only
+    when they are not skipped)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {i: t.content for i, t in added.items()
+            if not (skip_special_tokens and getattr(t, "special", False))}

@@ -1,7 +1,6 @@
 """LLM: offline batch generation in one process, like ``vllm.LLM``."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 from collections.abc import Sequence
@@ -13,20 +12,62 @@ from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.structured_output import StructuredOutputManager
 from tokenbudget.server.input_processor import InputProcessor, Prompt
+from tokenbudget.server.output_processor import SampleState
+from tokenbudget.server.request_builder import build_requests
 
 _DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One sample of a prompt (``index`` in 0..n-1)."""
+
+    index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # The stop token id or stop string that ended it (None for EOS or length).
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     # Per generated token {token_id: logprob} (sampled + top-n), when asked for.
     logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The result of one prompt: its ``n`` samples in ``outputs``. The
+    properties read the first sample, the only one when n = 1."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    # Per prompt token {token_id: logprob} (the prompt token + top-n; None for
+    # the first token, which nothing predicts), when asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.outputs[0].num_cached_tokens
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
 
 
 def parse_memory_size(value: int | str | None) -> int | None:
@@ -113,51 +154,73 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(sampling_params)} for "
                              f"{len(prompts)} prompts")
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        results = {r.request_id: GenerationResult(r.request_id, r.prompt_token_ids)
-                   for r in requests}
+        results: list[GenerationResult] = []
+        # Engine request id -> (its result, its sample's output, its SampleState).
+        samples: dict[str, tuple[GenerationResult, CompletionOutput, SampleState]] = {}
         try:
-            for r in requests:
-                self.engine.add_request(r)
-            self._run(results, use_tqdm)
+            for prompt, params in zip(prompts, sampling_params):
+                self._add(prompt, params, results, samples)
+            self._run(samples, use_tqdm)
         except BaseException:
-            self.engine.abort_requests(list(results))
+            self.engine.abort_requests(list(samples))
             raise
-        for r in results.values():
-            r.text = self.input_processor.decode(r.token_ids)
-        return [results[r.request_id] for r in requests]
+        for _, output, state in samples.values():
+            output.text = state.text
+        return results
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams
+                       ) -> tuple[str, list[Request]]:
+        """The id of one prompt's result and its engine requests, one per sample."""
         if params.structured is not None:
             self.structured_output.validate(params.structured)  # a bad spec fails here
-        token_ids, mm_features = self.input_processor.process(prompt)
-        eos, *more_eos = self.eos_token_ids or [None]
-        if more_eos and not params.ignore_eos:
-            # Request holds one EOS id; the checkpoint's others stop like stop tokens.
-            params = dataclasses.replace(
-                params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
-        return Request(f"llm-{next(self._ids)}", token_ids, params, eos_token_id=eos,
-                       mm_features=mm_features)
+        rid = f"llm-{next(self._ids)}"
+        return rid, build_requests(self.input_processor, rid, prompt, params,
+                                   eos_token_ids=self.eos_token_ids)
 
-    def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
+    def _add(self, prompt: Prompt, params: SamplingParams, results: list[GenerationResult],
+             samples: dict) -> None:
+        rid, requests = self._make_requests(prompt, params)
+        result = GenerationResult(rid, requests[0].prompt_token_ids)
+        results.append(result)
+        for i, req in enumerate(requests):
+            output = CompletionOutput(i)
+            result.outputs.append(output)
+            detok = self.input_processor.detokenizer(params.skip_special_tokens,
+                                                     params.spaces_between_special_tokens)
+            samples[req.request_id] = (result, output, SampleState(i, params, detok))
+            self.engine.add_request(req)
+
+    def _run(self, samples: dict, use_tqdm: bool) -> None:
         progress = None
         if use_tqdm:
             from tqdm import tqdm
-            progress = tqdm(total=len(results), desc="generate")
-        pending = len(results)
+            progress = tqdm(total=len(samples), desc="generate")
+        pending = len(samples)
         while pending and self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                res = results.get(out.request_id)
-                if res is None:
+                entry = samples.get(out.request_id)
+                if entry is None:
                     continue
+                result, output, state = entry
                 if out.error is not None:  # e.g. its grammar failed to compile
                     raise out.error
-                res.token_ids.extend(out.new_token_ids)
-                res.num_cached_tokens = max(out.num_cached_tokens, 0)
-                if out.logprobs is not None:
-                    res.logprobs = (res.logprobs or []) + list(out.logprobs)
-                if out.finished:
-                    res.finish_reason = out.finish_reason
+                if out.prompt_logprobs:
+                    result.prompt_logprobs = (result.prompt_logprobs or [None]) + \
+                        out.prompt_logprobs
+                if state.finished:
+                    continue  # stopped by a string; its last steps were in flight
+                delta = state.update([out])
+                output.num_cached_tokens = max(out.num_cached_tokens, 0)
+                if delta is None:
+                    continue
+                output.token_ids.extend(delta.token_ids)
+                if delta.logprobs is not None:
+                    output.logprobs = (output.logprobs or []) + delta.logprobs
+                if delta.finish_reason is not None:
+                    output.finish_reason, output.stop_reason = delta.finish_reason, \
+                        delta.stop_reason
+                    if state.stopped_by_string:
+                        self.engine.stop_requests([out.request_id])
                     pending -= 1
                     if progress is not None:
                         progress.update(1)

@@ -14,7 +14,7 @@ from tokenbudget.server.async_engine import RequestStream, wake_async_readers
 
 
 def _stream() -> RequestStream:
-    return RequestStream(Request("r", [1, 2, 3], SamplingParams(max_tokens=1000)), None)
+    return RequestStream(Request("r", [1, 2, 3], SamplingParams(max_tokens=1000)))
 
 
 def _outputs(n: int) -> list[RequestOutput]:

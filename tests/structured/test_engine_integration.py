@@ -102,9 +102,9 @@ def test_compiling_request_does_not_block_later_requests(llm, monkeypatch, no_le
         release.wait(30)
         return real_compile(params)
     monkeypatch.setattr(manager, "compile", slow_compile)
-    slow = llm._make_request("Answer:", SamplingParams(
-        temperature=1.0, seed=3, max_tokens=64, structured={"regex": r"slow-[0-9]{2}"}))
-    fast = [llm._make_request(p, _greedy(8)) for p in PROMPTS]
+    [slow] = llm._make_requests("Answer:", SamplingParams(
+        temperature=1.0, seed=3, max_tokens=64, structured={"regex": r"slow-[0-9]{2}"}))[1]
+    fast = [llm._make_requests(p, _greedy(8))[1][0] for p in PROMPTS]
     engine.add_request(slow)  # first in the queue
     for r in fast:
         engine.add_request(r)

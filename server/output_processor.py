@@ -1,0 +1,142 @@
+"""From the engine's RequestOutputs to what a caller sees of one sample:
+token ids, text deltas, stop strings, finish and stop reasons.
+
+Stop strings are matched here, on the detokenized text, because core has no
+tokenizer. The sample then ends at once for its reader; the caller finishes
+the request in the engine (``SampleState.stopped_by_string``), whose tokens
+still in flight are dropped. Streamed text never shows characters that a stop
+string could still cut: a sample holds back the longest end of its text that
+is a proper prefix of one of its stop strings, and nothing more.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenbudget.core.outputs import RequestOutput
+from tokenbudget.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one sample produced since the last look."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class SampleState:
+    """One sample (one of a request's ``n``): its detokenizer and stop strings.
+
+    ``detokenizer`` is an IncrementalDetokenizer, or None for token ids only
+    (then stop strings cannot be matched; the front refuses that pairing)."""
+
+    __slots__ = ("index", "detokenizer", "stop", "include_stop", "min_tokens", "num_tokens",
+                 "text", "num_sent", "finished", "stop_string", "_holdback")
+
+    def __init__(self, index: int, params: SamplingParams, detokenizer: Any | None) -> None:
+        self.index = index
+        self.detokenizer = detokenizer
+        self.stop = params.stop if detokenizer is not None else []
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+        self.text = ""          # all text so far, held-back characters included
+        self.num_sent = 0       # characters of text already handed out
+        self.finished = False
+        self.stop_string: str | None = None  # the stop string that ended the sample
+        # A prefix of a stop string emitted too early could be cut later;
+        # including the stop string, nothing emitted can be cut.
+        self._holdback = bool(self.stop) and not self.include_stop
+
+    def update(self, outputs: list[RequestOutput]) -> SampleDelta | None:
+        """Fold this sample's outputs (oldest first) into one delta; None when
+        nothing is new for the caller."""
+        delta = SampleDelta(self.index, [], "")
+        for out in outputs:
+            if self.finished:
+                break  # tokens sampled after a stop string, still in flight
+            self._take(out, delta)
+        if self.finished:
+            delta.text, self.num_sent = self.text[self.num_sent:], len(self.text)
+        else:
+            end = len(self.text) - self._held_back() if self._holdback else len(self.text)
+            delta.text, self.num_sent = self.text[self.num_sent:end], max(end, self.num_sent)
+        if not (delta.token_ids or delta.text or delta.finish_reason):
+            return None
+        return delta
+
+    def _take(self, out: RequestOutput, delta: SampleDelta) -> None:
+        tokens = out.new_token_ids
+        if self.stop:
+            tokens = self._add_until_stop(tokens)
+        elif self.detokenizer is not None:
+            self.text += self.detokenizer.add(tokens)
+        self.num_tokens += len(tokens)
+        delta.token_ids.extend(tokens)
+        if out.logprobs is not None:
+            delta.logprobs = (delta.logprobs or []) + list(out.logprobs[:len(tokens)])
+        if self.stopped_by_string:
+            delta.finish_reason, delta.stop_reason = "stop", self.stop_string
+            self.finished = True
+            return
+        if out.finish_reason is not None:
+            if self.detokenizer is not None:
+                self.text += self.detokenizer.flush()
+                if self.stop and self._find_stop(0):
+                    delta.finish_reason, delta.stop_reason = "stop", self.stop_string
+                    self.finished = True
+                    return
+            delta.finish_reason, delta.stop_reason = out.finish_reason, out.stop_reason
+            self.finished = True
+
+    def _add_until_stop(self, tokens: list[int]) -> list[int]:
+        """Detokenize one token at a time so a stop string ends the sample at
+        the token that completed it; returns the tokens kept."""
+        for k, token in enumerate(tokens):
+            piece = self.detokenizer.add([token])
+            if not piece:
+                continue
+            self.text += piece
+            # vLLM's rule: stop strings count only once min_tokens are out.
+            if self.num_tokens + k + 1 > self.min_tokens and self._find_stop(len(piece)):
+                return tokens[:k + 1]
+        return tokens
+
+    @property
+    def stopped_by_string(self) -> bool:
+        """The engine has not finished this sample: the caller must."""
+        return self.stop_string is not None
+
+    def _find_stop(self, num_new_chars: int) -> bool:
+        """Look for the earliest stop string that ends in the last
+        ``num_new_chars`` characters (0: anywhere); cut the text there."""
+        text = self.text
+        best = None
+        for s in self.stop:
+            start = 0 if num_new_chars == 0 else max(0, len(text) - num_new_chars - len(s) + 1)
+            i = text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = text[:i + len(s)] if self.include_stop else text[:i]
+        self.num_sent = min(self.num_sent, len(self.text))
+        self.stop_string = s
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        text = self.text
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

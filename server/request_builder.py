@@ -1,0 +1,50 @@
+"""A prompt and its SamplingParams as the engine's Requests: one per sample.
+
+Shared by the offline ``LLM`` and the gRPC services so both build requests
+the same way (vocabulary checks, bad words, truncation, EOS ids, ``n``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tokenbudget.core.request import Request
+from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.server.input_processor import InputProcessor, Prompt
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of sample ``index`` of ``n`` (the request's own id when n = 1)."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
+                   params: SamplingParams, *, eos_token_ids: list[int] | None = None,
+                   priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+    """The Requests of ``params.n`` samples of ``prompt``, in sample order.
+
+    Samples share the prompt's KV through the prefix cache: the first one to
+    be scheduled computes it, the others find its full blocks already cached
+    (in the same step too: its blocks are registered when allocated, and a
+    step writes every token's KV before attending). Sample i draws from seed
+    ``seed + i``, so each is reproducible on its own. Prompt logprobs are
+    computed by sample 0 only.
+    """
+    try:
+        params = processor.check_params(params)
+    except ValueError as exc:
+        raise ValueError(f"sampling_params.{exc}") from None
+    token_ids, features = processor.process(prompt, params.truncate_prompt_tokens)
+    eos, *more_eos = eos_token_ids or [None]
+    if more_eos and not params.ignore_eos:
+        # Request holds one EOS id; the checkpoint's others stop like stop tokens.
+        params = dataclasses.replace(
+            params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
+    n = params.n
+    samples = [params] if n == 1 else [
+        dataclasses.replace(params, n=1,
+                            seed=None if params.seed is None else params.seed + i,
+                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+        for i in range(n)]
+    return [Request(sample_request_id(request_id, i, n), token_ids, p, eos_token_id=eos,
+                    priority=priority, mm_features=features, cache_salt=cache_salt)
+            for i, p in enumerate(samples)]
