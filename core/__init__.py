@@ -4,7 +4,7 @@ from tokenbudget.core.encoder_cache import EncoderCacheManager
 from tokenbudget.core.engine import EngineCore, Executor
 from tokenbudget.core.kv import BlockPool, KVCacheBlock, KVCacheManager
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      RequestOutput, SchedulerOutput)
+                                      PromptLogprobs, RequestOutput, SchedulerOutput)
 from tokenbudget.core.request import MultiModalFeature, Request, RequestStatus
 from tokenbudget.core.sampling_params import SamplingParams, StructuredOutputParams
 from tokenbudget.core.scheduler import DuplicateRequestError, Scheduler, SchedulerStats
@@ -12,7 +12,7 @@ from tokenbudget.core.scheduler import DuplicateRequestError, Scheduler, Schedul
 __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "DuplicateRequestError",
     "EncoderCacheManager", "EngineCore", "Executor", "KVCacheBlock", "KVCacheManager",
-    "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "Request", "RequestOutput",
-    "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+    "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "PromptLogprobs", "Request",
+    "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "StructuredOutputParams",
 ]

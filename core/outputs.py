@@ -72,6 +72,15 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, computed during one prefill chunk."""
+
+    start: int  # prompt position of the token entries[0] is about (>= 1)
+    # Per token {prompt token id: logprob} plus the top-n.
+    entries: list[dict[int, float]]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
@@ -84,6 +93,8 @@ class ModelRunnerOutput:
     pooler_output: list[Any] | None = None
     # Per request (same index): draft tokens proposed for the next step.
     spec_token_ids: list[list[int]] | None = None
+    # req_id -> the prompt logprobs of this step's chunk, for requests that asked.
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -65,7 +65,8 @@ class Request:
         "num_computed_tokens", "output_token_ids", "all_token_ids", "spec_token_ids",
         "num_cached_tokens", "num_preemptions", "block_hashes", "num_output_placeholders",
         "stop_reason", "max_tokens", "num_prompt_tokens", "structured_request",
-        "first_scheduled_time", "__weakref__")
+        "first_scheduled_time", "skip_reading_prefix_cache", "num_prompt_logprobs_sent",
+        "__weakref__")
 
     def __init__(
         self,
@@ -110,6 +111,11 @@ class Request:
         # Set by the structured-output manager for constrained requests.
         self.structured_request: Any = None
         self.first_scheduled_time: float | None = None
+        # Prompt logprobs need the logits of every prompt position, which a
+        # prefix-cache hit would skip: such requests compute their whole prompt.
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
+        # Prompt tokens whose logprobs were output (token 0 has none: it starts at 1).
+        self.num_prompt_logprobs_sent = 1
 
     @property
     def num_tokens(self) -> int:

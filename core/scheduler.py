@@ -17,7 +17,7 @@ from tokenbudget.core.kv import KVCacheManager
 from tokenbudget.core.policy import (REORDERING_POLICIES, AdmissionReserve, WaitingOrder,
                                      make_victim_picker)
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      RequestOutput, SchedulerOutput)
+                                      PromptLogprobs, RequestOutput, SchedulerOutput)
 from tokenbudget.core.queue import create_queue
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.stop import check_stop
@@ -544,6 +544,7 @@ class Scheduler:
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
         drafts = model_runner_output.spec_token_ids
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         som = self.structured_output_manager
@@ -557,8 +558,14 @@ class Scheduler:
             new = sampled[i] if i is not None else None
             if req.mm_features:
                 self._free_computed_encoder_inputs(req)
+            plp = None
+            if prompt_logprobs is not None and rid in prompt_logprobs:
+                plp = self._new_prompt_logprobs(req, prompt_logprobs[rid])
             if not new:
-                continue  # mid-prefill
+                if plp:  # mid-prefill
+                    outputs.append(RequestOutput(rid, [], None, None, req.num_cached_tokens,
+                                                 prompt_logprobs=plp))
+                continue
             if spec_scheduled:
                 scheduled = spec_scheduled.get(rid)
                 if scheduled:
@@ -586,10 +593,24 @@ class Scheduler:
                 req.spec_token_ids = []  # verified this step, nothing new proposed
             outputs.append(RequestOutput(rid, kept, RequestStatus.finish_reason(status)
                                          if status is not None else None,
-                                         lp, req.num_cached_tokens, req.stop_reason))
+                                         lp, req.num_cached_tokens, req.stop_reason,
+                                         prompt_logprobs=plp))
         if finished_running:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, computed: PromptLogprobs) -> list | None:
+        """The entries not output before (a preempted request recomputes its prompt)."""
+        skip = req.num_prompt_logprobs_sent - computed.start
+        # Chunks are computed in order from position 0 (no prefix hits): no gap.
+        assert skip >= 0, f"{req.request_id}: prompt logprobs from {computed.start}, " \
+            f"expected {req.num_prompt_logprobs_sent}"
+        entries = computed.entries[skip:]
+        if not entries:
+            return None
+        req.num_prompt_logprobs_sent += len(entries)
+        return entries
 
     def _fit_drafts(self, req: Request, draft: list[int]) -> list[int]:
         room = min(self.scheduler_config.max_model_len - req.num_tokens,

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      SchedulerOutput)
+                                      PromptLogprobs, SchedulerOutput)
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import (STRUCTURED_KINDS, SamplingParams,
                                               StructuredOutputParams)
@@ -621,6 +621,10 @@ def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
     if out.spec_token_ids is not None:
         msg.has_spec_token_ids = True
         _ragged_to_proto(out.spec_token_ids, msg.spec_token_ids)
+    for rid, plp in (out.prompt_logprobs or {}).items():
+        entry = msg.prompt_logprobs.add(req_id=rid, start=plp.start)
+        for per_token in plp.entries:
+            entry.entries.add(token_ids=per_token.keys(), logprobs=per_token.values())
     return msg
 
 
@@ -659,4 +663,8 @@ class ModelRunnerOutputDecoder:
                            if msg.has_pooler_output else None),
             spec_token_ids=(_ragged_from_proto(msg.spec_token_ids)
                             if msg.has_spec_token_ids else None),
+            prompt_logprobs={
+                p.req_id: PromptLogprobs(p.start, [dict(zip(t.token_ids, t.logprobs))
+                                                   for t in p.entries])
+                for p in msg.prompt_logprobs} or None,
         )

@@ -193,7 +193,7 @@ class RequestLogprobs(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error")
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class ModelRunnerOutput(_message.Message):
     HAS_SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: RaggedIds
@@ -214,7 +215,18 @@ class ModelRunnerOutput(_message.Message):
     has_spec_token_ids: bool
     spec_token_ids: RaggedIds
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("req_id", "start", "entries")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    start: int
+    entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, req_id: _Optional[str] = ..., start: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

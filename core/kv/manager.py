@@ -27,7 +27,7 @@ class KVCacheManager:
     # -- lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of ``request`` in whole blocks."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self.hasher.update(request)
         # At most num_tokens - 1 tokens can be cache hits: the last prompt token

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenbudget.core import (CacheConfig, CachedRequestData, ModelRunnerOutput,
-                              MultiModalFeature, NewRequestData, SamplingParams,
+                              MultiModalFeature, NewRequestData, PromptLogprobs, SamplingParams,
                               SchedulerConfig, SchedulerOutput)
 from tokenbudget.proto import common_pb2, convert, worker_pb2
 from tokenbudget.proto.generate import PROTO_DIR, generate
@@ -277,7 +277,8 @@ def test_model_runner_output_round_trips_with_logprobs_drafts_and_pooler():
         sampled_token_ids=[[5], [], [7, 8, 9]],
         logprobs=[[{5: -0.5, 1: -1.25}], None, [{7: -0.125}, {8: -2.0}, {9: -3.5}]],
         pooler_output=[torch.ones(3), None, torch.zeros(2, dtype=torch.float16)],
-        spec_token_ids=[[1, 2], [], [3]])
+        spec_token_ids=[[1, 2], [], [3]],
+        prompt_logprobs={"b": PromptLogprobs(17, [{4: -0.5, 6: -0.25}, {9: -3.0}])})
     _assert_same(out, _reply_round_trip(out)[1])
     decoder = convert.ModelRunnerOutputDecoder()
     for sampled in ([[4]], [[]], [[1, 2]]):  # one decoder across steps of varying shape
