@@ -32,6 +32,22 @@ class RequestState:
     row: int | None = None                    # None while preempted
 
 
+@dataclass(slots=True)
+class TokenHistory:
+    """The tokens each sampled row has seen, read in place from the batch: row j has seen
+    ``token_ids[rows[j], :num_tokens[j]]``, whose first ``num_prompt_tokens[j]`` are its
+    prompt and the rest its output."""
+
+    token_ids: np.ndarray          # [capacity, max_len] the batch's own array (read only)
+    rows: np.ndarray               # [n] batch row of each sampled row
+    num_prompt_tokens: np.ndarray  # [n]
+    num_tokens: np.ndarray         # [n]
+
+    def output(self, j: int) -> np.ndarray:
+        row = self.rows[j]
+        return self.token_ids[row, self.num_prompt_tokens[j]:self.num_tokens[j]]
+
+
 class InputBatch:
     """Rows of token ids, token counts and block tables, grown on demand."""
 
@@ -81,6 +97,14 @@ class InputBatch:
         keep = token_ids[:max(self.max_model_len - n, 0)]
         self.token_ids[row, n:n + len(keep)] = keep
         self.num_tokens[row] = n + len(token_ids)
+
+    def history(self, rows: np.ndarray, num_prompt_tokens: np.ndarray,
+                num_drafts_seen: np.ndarray) -> TokenHistory:
+        """What sampled rows of `rows` have seen. A row verifying drafts has seen the first
+        `num_drafts_seen` of them as output: they sit right after the row's known tokens."""
+        # Clipped like append_tokens: tokens past max_model_len were never stored.
+        num_tokens = np.minimum(self.num_tokens[rows] + num_drafts_seen, self.token_ids.shape[1])
+        return TokenHistory(self.token_ids, rows, num_prompt_tokens, num_tokens)
 
     def _grow(self) -> None:
         # Async scheduling can admit new requests before the worker hears that

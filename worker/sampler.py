@@ -1,5 +1,8 @@
 """On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
+Logits processors (allowed_token_ids, bad words, logit_bias, penalties; logits_processors.py)
+run first, on a copy, for greedy and random rows alike.
+
 Everything runs on the logits' device, vectorised over the batch; only the sampled ids (and the
 requested logprobs) are meant to leave it. Filters compose as one cut-off logit per row: a row
 keeps every token whose (temperature-scaled) logit is >= its cut-off, so ties at a boundary are
@@ -19,6 +22,8 @@ import numpy as np
 import torch
 
 from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.worker.input_batch import TokenHistory
+from tokenbudget.worker.logits_processors import LogitsProcessors
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +58,14 @@ class SamplingMetadata:
     random_index: torch.Tensor | None = None  # random_rows on the device
     max_top_k: int = 0  # largest active top_k among random rows
     top_p_index: torch.Tensor | None = None  # positions *within random_rows* with top_p < 1
+    processors: LogitsProcessors | None = None  # None: no row uses any
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
                     generators: list[torch.Generator | None],
-                    device: torch.device | str) -> SamplingMetadata:
+                    device: torch.device | str,
+                    history: TokenHistory | None = None) -> SamplingMetadata:
+        """`history`: the rows' tokens, needed only when some row uses penalties or bad words."""
         if len(generators) != len(params):
             raise ValueError(f"generators must have one entry per row ({len(params)}), "
                              f"got {len(generators)}")
@@ -90,6 +98,7 @@ class SamplingMetadata:
             random_index=tensor(random_rows, torch.long),
             max_top_k=max(active_top_k, default=0),
             top_p_index=tensor(top_p_positions, torch.long) if top_p_positions else None,
+            processors=LogitsProcessors.build(params, history, device),
         )
 
 
@@ -104,14 +113,16 @@ class Sampler(torch.nn.Module):
     """Samples one token per row. Never modifies `logits` (apply bitmasks before calling)."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # Logprobs stay those of `logits` as given: the processors work on a copy.
+        processed = logits if metadata.processors is None else metadata.processors.apply(logits)
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = processed.argmax(dim=-1)
         elif metadata.all_random:
-            sampled = _sample_random(logits, metadata)
+            sampled = _sample_random(processed, metadata)
         else:
-            sampled = logits.argmax(dim=-1)
+            sampled = processed.argmax(dim=-1)
             sampled.index_copy_(0, metadata.random_index,
-                                _sample_random(logits.index_select(0, metadata.random_index),
+                                _sample_random(processed.index_select(0, metadata.random_index),
                                                metadata))
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None)
