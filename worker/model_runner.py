@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           kv_cache_bytes_per_block, resolve_backend)
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
@@ -45,6 +45,47 @@ class _Step:
     positions: np.ndarray     # [T]
     input_ids: np.ndarray     # [T]
     samples: np.ndarray       # [B] bool: this request samples this step
+
+
+class _PromptRows:
+    """Requests that want prompt logprobs in this step: their packed rows and
+    the prompt tokens those rows predict."""
+
+    def __init__(self) -> None:
+        self.req_ids: list[str] = []
+        self.starts: list[int] = []
+        self.num_top: list[int] = []
+        self._packed: list[np.ndarray] = []
+        self._targets: list[np.ndarray] = []
+
+    def add(self, req_id: str, start: int, num_top: int, packed: np.ndarray,
+            targets: np.ndarray) -> None:
+        self.req_ids.append(req_id)
+        self.starts.append(start)
+        self.num_top.append(num_top)
+        self._packed.append(packed)
+        self._targets.append(targets)
+
+    @property
+    def packed(self) -> np.ndarray:
+        return np.concatenate(self._packed)
+
+    def logprobs(self, logits: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """``logits``: the rows of ``packed``, in order."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.from_numpy(np.concatenate(self._targets)).to(lp.device)
+        ids = targets.unsqueeze(1)
+        max_top = max(self.num_top)
+        if max_top:
+            ids = torch.cat([ids, lp.topk(max_top, dim=-1).indices], dim=1)
+        ids_l, values_l = ids.tolist(), lp.gather(1, ids).tolist()
+        out, row = {}, 0
+        for rid, start, n, packed in zip(self.req_ids, self.starts, self.num_top, self._packed):
+            entries = [dict(zip(ids_l[r][:n + 1], values_l[r][:n + 1]))
+                       for r in range(row, row + len(packed))]
+            out[rid] = PromptLogprobs(start, entries)
+            row += len(packed)
+        return out
 
 
 class ModelRunner:
@@ -181,12 +222,20 @@ class ModelRunner:
         step = self._prepare(so)
         meta = self._attention_metadata(step)
         logits_idx = self._logits_indices(step)
+        prompt_rows = self._prompt_logprob_rows(step)
+        keep = logits_idx if prompt_rows is None else np.concatenate([logits_idx,
+                                                                       prompt_rows.packed])
         t1 = time.perf_counter()
-        logits = self._forward(so, step, meta, logits_idx)
+        logits = self._forward(so, step, meta, keep)
         t2 = time.perf_counter()
+        prompt_logprobs = None
+        if prompt_rows is not None:
+            prompt_logprobs = prompt_rows.logprobs(logits[len(logits_idx):])
+            logits = logits[:len(logits_idx)]
         sampled_rows, ids, lps = self._sample(so, step, logits)
         t3 = time.perf_counter()
         out = self._make_output(so, step, sampled_rows, ids, lps)
+        out.prompt_logprobs = prompt_logprobs
         t4 = time.perf_counter()
         self.timings["prep"] += t1 - t0
         self.timings["forward"] += t2 - t1
@@ -244,6 +293,28 @@ class ModelRunner:
         counts = step.num_drafts[step.samples] + 1
         return np.repeat(ends - counts, counts) + (
             np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+
+    def _prompt_logprob_rows(self, step: _Step) -> _PromptRows | None:
+        """The packed rows whose logits give this step's prompt logprobs: the
+        logits at prompt position j predict prompt token j + 1."""
+        rows = None
+        first_rows = None
+        for i, rid in enumerate(step.req_ids):
+            state = self.requests[rid]
+            num_top = state.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            start = int(step.starts[i])
+            end = min(start + int(step.query_lens[i]), state.num_prompt_tokens - 1)
+            if start >= end:
+                continue
+            if rows is None:
+                rows = _PromptRows()
+                first_rows = np.cumsum(step.query_lens) - step.query_lens
+            first = int(first_rows[i])
+            rows.add(rid, start + 1, num_top, np.arange(first, first + end - start),
+                     self.batch.token_ids[step.rows[i], start + 1:end + 1])
+        return rows
 
     def _forward(self, so: SchedulerOutput, step: _Step, meta, logits_idx: np.ndarray):
         dev = self.device
