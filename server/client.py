@@ -21,13 +21,24 @@ Prompt = str | Sequence[int] | dict[str, Any]
 
 @dataclass(slots=True)
 class Completion:
+    """One sample of a request, put together from its stream. ``generate``
+    returns sample 0, whose ``samples`` lists all ``n`` of them (itself first)."""
+
     request_id: str
+    index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
+    # The stop token id or stop string that ended the sample, if one did.
+    stop_reason: int | str | None = None
+    # Per generated token {token_id: logprob} (sampled + top-n), when asked for.
+    logprobs: list[dict[int, float]] | None = None
+    # Per prompt token (None for the first), when asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    samples: list[Completion] = field(default_factory=list)
 
 
 class Client:
@@ -67,20 +78,35 @@ class Client:
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                  **kwargs) -> Completion:
-        """Run one request to completion."""
-        out: Completion | None = None
+        """Run one request to completion; returns its first sample (all of them
+        in ``.samples``)."""
+        samples: dict[int, Completion] = {}
+        prompt_logprobs = None
         for msg in self.generate_stream(prompt, sampling_params, **kwargs):
+            out = samples.get(msg.index)
             if out is None:
-                out = Completion(msg.request_id)
+                out = samples[msg.index] = Completion(msg.request_id, msg.index)
             out.token_ids.extend(msg.token_ids)
             out.text += msg.text
+            if msg.logprobs:
+                out.logprobs = (out.logprobs or []) + [
+                    dict(zip(t.token_ids, t.logprobs)) for t in msg.logprobs]
+            if msg.prompt_logprobs:
+                prompt_logprobs = [dict(zip(t.token_ids, t.logprobs)) or None
+                                   for t in msg.prompt_logprobs]
             if msg.finish_reason:
                 out.finish_reason = msg.finish_reason
+                kind = msg.WhichOneof("stop_reason")
+                out.stop_reason = getattr(msg, kind) if kind else None
                 out.prompt_tokens = msg.usage.prompt_tokens
                 out.completion_tokens = msg.usage.completion_tokens
                 out.cached_tokens = msg.usage.cached_tokens
-        assert out is not None, "the server ended the stream without a response"
-        return out
+        assert samples, "the server ended the stream without a response"
+        ordered = [samples[i] for i in sorted(samples)]
+        first = ordered[0]
+        first.samples = ordered
+        first.prompt_logprobs = prompt_logprobs
+        return first
 
     def abort(self, request_id: str) -> None:
         self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))
