@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbudget.core import SamplingParams
+from tokenbudget.core import Request, SamplingParams
+from tokenbudget.core.structured_output import StructuredOutputManager
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +72,46 @@ def model_vocab_size(tiny_model) -> int:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(tiny_model).vocab_size
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: the character each byte is written as -> the byte."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@pytest.fixture(scope="session")
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """Byte string of every ordinary (non-special) token id."""
+    decode = _bytes_to_unicode()
+    special = set(tokenizer.all_special_ids) | {
+        i for t, i in tokenizer.get_vocab().items() if t.startswith("<|")}
+    return {i: bytes(decode[ch] for ch in t) for t, i in tokenizer.get_vocab().items()
+            if i not in special}
+
+
+@pytest.fixture
+def manager(tokenizer, model_vocab_size):
+    m = StructuredOutputManager(tokenizer, model_vocab_size)
+    yield m
+    m.shutdown()
+
+
+@pytest.fixture
+def ready_request(manager, tokenizer):
+    """A request under ``spec`` whose grammar compiled and whose matcher exists."""
+    def make(rid: str, spec: dict, prompt_len: int = 5) -> Request:
+        req = Request(rid, list(range(10, 10 + prompt_len)),
+                      SamplingParams(max_tokens=32, structured=spec),
+                      eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        manager.add_request(req)
+        req.structured_request.compiled.result(timeout=30)
+        assert manager.is_ready(req)
+        return req
+    return make

@@ -15,35 +15,6 @@ from tokenbudget.core.structured_output import StructuredOutputManager
 CHOICES = ["yes", "no", "maybe so", "may"]
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2 byte-level alphabet: the character each byte is written as -> the byte."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-@pytest.fixture(scope="module")
-def token_bytes(tokenizer) -> dict[int, bytes]:
-    """Byte string of every ordinary (non-special) token id."""
-    decode = _bytes_to_unicode()
-    special = set(tokenizer.all_special_ids) | {
-        i for t, i in tokenizer.get_vocab().items() if t.startswith("<|")}
-    return {i: bytes(decode[ch] for ch in t) for t, i in tokenizer.get_vocab().items()
-            if i not in special}
-
-
-@pytest.fixture
-def manager(tokenizer, model_vocab_size):
-    m = StructuredOutputManager(tokenizer, model_vocab_size)
-    yield m
-    m.shutdown()
-
-
 def _oracle(prefix: bytes, token_bytes: dict[int, bytes], eos: int) -> set[int]:
     choices = [c.encode() for c in CHOICES]
     allowed = {i for i, b in token_bytes.items()
@@ -58,16 +29,6 @@ def _allowed(row: np.ndarray, vocab_size: int) -> set[int]:
     return set(np.flatnonzero(bits).tolist())
 
 
-def _ready_request(manager, tokenizer, rid: str, spec: dict, prompt_len: int = 5) -> Request:
-    req = Request(rid, list(range(10, 10 + prompt_len)),
-                  SamplingParams(max_tokens=32, structured=spec),
-                  eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    manager.add_request(req)
-    req.structured_request.compiled.result(timeout=30)
-    assert manager.is_ready(req)
-    return req
-
-
 def _token(token_bytes: dict[int, bytes], piece: bytes) -> int:
     return next(i for i, b in token_bytes.items() if b == piece)
 
@@ -76,9 +37,9 @@ def _decoding(req: Request) -> None:
     req.num_computed_tokens = req.num_tokens - 1
 
 
-def test_rows_match_the_naive_oracle_after_each_token(manager, tokenizer, token_bytes,
+def test_rows_match_the_naive_oracle_after_each_token(manager, ready_request, token_bytes,
                                                       model_vocab_size):
-    req = _ready_request(manager, tokenizer, "r", {"choice": CHOICES})
+    req = ready_request("r", {"choice": CHOICES})
     eos = req.eos_token_id
     text = b""
     for piece in "maybe so":  # every byte is a token of a byte-level BPE
@@ -96,8 +57,8 @@ def test_rows_match_the_naive_oracle_after_each_token(manager, tokenizer, token_
     assert manager.accept_tokens(req, [eos])  # the grammar's end finishes the request
 
 
-def test_prefill_chunks_that_do_not_sample_get_no_row(manager, tokenizer):
-    req = _ready_request(manager, tokenizer, "r", {"choice": CHOICES}, prompt_len=10)
+def test_prefill_chunks_that_do_not_sample_get_no_row(manager, ready_request):
+    req = ready_request("r", {"choice": CHOICES}, prompt_len=10)
     assert manager.grammar_bitmask({"r": req}, {"r": 6}, {}) == (None, [])
     req.num_computed_tokens = 6
     bitmask, ids = manager.grammar_bitmask({"r": req}, {"r": 4}, {})
@@ -106,9 +67,9 @@ def test_prefill_chunks_that_do_not_sample_get_no_row(manager, tokenizer):
     assert manager.grammar_bitmask({"r": req}, {"other": 4}, {}) == (None, [])
 
 
-def test_draft_rows_follow_the_drafts_and_invalid_drafts_are_cut(manager, tokenizer,
+def test_draft_rows_follow_the_drafts_and_invalid_drafts_are_cut(manager, ready_request,
                                                                  token_bytes, model_vocab_size):
-    req = _ready_request(manager, tokenizer, "r", {"choice": CHOICES})
+    req = ready_request("r", {"choice": CHOICES})
     eos = req.eos_token_id
     valid = [_token(token_bytes, b"m"), _token(token_bytes, b"a")]
     invalid = _token(token_bytes, b"x")
@@ -125,10 +86,10 @@ def test_draft_rows_follow_the_drafts_and_invalid_drafts_are_cut(manager, tokeni
     assert (again[0] == bitmask[0]).all()
 
 
-def test_rows_cover_the_model_vocab_and_padding_ids_are_never_allowed(manager, tokenizer,
-                                                                      model_vocab_size):
+def test_rows_cover_the_model_vocab_and_padding_ids_are_never_allowed(manager, ready_request,
+                                                                      tokenizer, model_vocab_size):
     assert model_vocab_size > len(tokenizer)  # the tiny model pads its vocabulary
-    req = _ready_request(manager, tokenizer, "r", {"json_object": True})
+    req = ready_request("r", {"json_object": True})
     _decoding(req)
     bitmask, _ = manager.grammar_bitmask({"r": req}, {"r": 1}, {})
     allowed = _allowed(bitmask[0], model_vocab_size)
