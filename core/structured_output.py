@@ -102,24 +102,79 @@ def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = Fals
 
 # Keys whose values are data, not subschemas.
 _SCHEMA_DATA_KEYS = frozenset(("enum", "const", "default", "examples"))
+# Keys whose values map names to subschemas: a name there is no keyword, even
+# when it reads "enum" or "default".
+_SCHEMA_MAP_KEYS = frozenset(("properties", "patternProperties", "$defs", "definitions",
+                              "dependentSchemas"))
+
+# One character of a JSON string, as a regex over the JSON text: xgrammar
+# matches a string's ``pattern`` against the text between the quotes with its
+# escapes still written out, while JSON Schema counts the characters of the
+# decoded string. So one character is one raw code point or one escape.
+#
+# Raw: any code point but U+0000-U+001F, '"' and '\' (JSON requires those
+# escaped) and the surrogates (UTF-8 cannot encode them), as one class per
+# UTF-8 encoded length, each its own alternative. xgrammar (0.2.8) turns a
+# class whose ranges (adjacent ones merged) cross those lengths into bytes
+# loosely, depending on the rest of the pattern: [\u0020-\ud7ff] alone also
+# admits E0 80 80, an overlong form that is not UTF-8. Classes within one
+# length have come out exact (tests/structured/test_length_bounded_strings.py
+# walks the bytes). Its regex has no \U escape, so the four-byte range is
+# written as the characters themselves.
+_RAW_CHARACTER = (r"[ !#-\[\]-\x7f]"
+                  r"|[\u0080-\u07ff]"
+                  r"|[\u0800-\ud7ff\ue000-\uffff]"
+                  "|[\U00010000-\U0010ffff]")
+_HEX = "[0-9A-Fa-f]"
+# A \u escape in the surrogate range decodes to a character only as a high
+# surrogate followed by a low one; that pair is one character.
+_ESCAPE = (r'\\(?:["\\/bfnrt]'
+           rf"|u[0-9A-Ca-cE-Fe-f]{_HEX}{{3}}"
+           rf"|u[Dd][0-7]{_HEX}{{2}}"
+           rf"|u[Dd][89ABab]{_HEX}{{2}}\\u[Dd][C-Fc-f]{_HEX}{{2}})")
+_JSON_STRING_CHARACTER = f"(?:{_RAW_CHARACTER}|{_ESCAPE})"
 
 
 def _bounded_strings_as_patterns(schema: Any) -> Any:
     """Rewrite ``{"type": "string", "minLength"/"maxLength"}`` (no pattern) as
-    the equivalent ``pattern``. xgrammar (0.2.8, issue mlc-ai/xgrammar#800)
-    lowers length bounds to a character class that admits raw control
-    characters, which is not JSON; its pattern path excludes them."""
+    the equivalent ``pattern``: a bounded repetition of one JSON string
+    character. xgrammar (0.2.8, issue mlc-ai/xgrammar#800) lowers length
+    bounds to a character class that admits raw control characters and no
+    escapes, which is not JSON."""
     if isinstance(schema, list):
         return [_bounded_strings_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _SCHEMA_DATA_KEYS else _bounded_strings_as_patterns(v)
-           for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_DATA_KEYS:
+            out[k] = v
+        elif k in _SCHEMA_MAP_KEYS and isinstance(v, dict):
+            out[k] = {name: _bounded_strings_as_patterns(s) for name, s in v.items()}
+        else:
+            out[k] = _bounded_strings_as_patterns(v)
     if out.get("type") == "string" and "pattern" not in out and "format" not in out and \
             ("minLength" in out or "maxLength" in out):
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f"^.{{{low},{high}}}$"
+        low = _length_bound(out, "minLength", 0)
+        high = _length_bound(out, "maxLength", None)
+        if high is not None and low > high:
+            raise GrammarError(f"structured.json_schema: minLength {low} is greater than "
+                               f"maxLength {high}; no string satisfies both")
+        out["pattern"] = f"^{_JSON_STRING_CHARACTER}{{{low},{'' if high is None else high}}}$"
     return out
+
+
+def _length_bound(schema: dict, key: str, default: int | None) -> int | None:
+    """Pop ``schema[key]``, which JSON Schema requires to be a non-negative integer."""
+    if key not in schema:
+        return default
+    value = schema.pop(key)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one number type: 3.0 is the integer 3
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GrammarError(f"structured.json_schema: {key} must be a non-negative integer, "
+                           f"got {value!r}")
+    return value
 
 
 class StructuredOutputManager:

@@ -103,7 +103,11 @@ def test_length_bounded_json_strings_reject_raw_control_characters(manager, toke
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
               "required": ["s"]}
     compiled = manager.compile(SamplingParams(structured={"json_schema": schema}).structured)
-    for text in ('{"s": "ab"}', '{"s": "a\tb"}', '{"s": "abcde"}'):
+    # Raw control characters, then the same escaped (each escape is one character).
+    verdicts = set()
+    for text in ('{"s": "ab"}', '{"s": "abcde"}', '{"s": "a\tb"}', '{"s": "a\nb"}',
+                 '{"s": "\x00"}', '{"s": "\x1f"}', '{"s": "a\\tb"}', '{"s": "a\\nb"}',
+                 '{"s": "\\u0000"}', '{"s": "\\u001f\\t\\n\\r"}', '{"s": "\\t\\t\\t\\t\\t"}'):
         matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         accepted = matcher.accept_string(text) and matcher.is_terminated()
         try:
@@ -111,6 +115,8 @@ def test_length_bounded_json_strings_reject_raw_control_characters(manager, toke
         except json.JSONDecodeError:
             valid = False
         assert accepted == valid, text
+        verdicts.add(valid)
+    assert verdicts == {True, False}  # the oracle said both yes and no
 
 
 def test_compiled_grammars_are_cached_by_spec_in_a_bounded_lru(tokenizer, model_vocab_size):
