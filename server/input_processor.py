@@ -168,7 +168,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
-        self.text = ""
+        self._deltas: list[str] = []
         # Token id -> its text, for the added tokens that split segments.
         self._added = _added_tokens(tokenizer, skip_special_tokens) \
             if spaces_between_special_tokens else {}
@@ -213,8 +213,13 @@ class IncrementalDetokenizer:
                     parts.append(piece)
                     self._read_offset = len(self.token_ids)
         delta = "".join(parts)
-        self.text += delta
+        self._deltas.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far."""
+        return "".join(self._deltas)
 
     def _window_delta(self) -> str:
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
@@ -227,7 +232,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the stream: whatever was held back, as is."""
         delta = self._take_pending()
-        self.text += delta
+        self._deltas.append(delta)
         return delta
 
     def _take_pending(self) -> str:

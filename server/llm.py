@@ -164,8 +164,6 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(list(samples))
             raise
-        for _, output, state in samples.values():
-            output.text = state.text
         return results
 
     def _make_requests(self, prompt: Prompt, params: SamplingParams
@@ -214,6 +212,7 @@ class LLM:
                 if delta is None:
                     continue
                 output.token_ids.extend(delta.token_ids)
+                output.text += delta.text
                 if delta.logprobs is not None:
                     output.logprobs = (output.logprobs or []) + delta.logprobs
                 if delta.finish_reason is not None:

@@ -33,10 +33,13 @@ class SampleState:
     """One sample (one of a request's ``n``): its detokenizer and stop strings.
 
     ``detokenizer`` is an IncrementalDetokenizer, or None for token ids only
-    (then stop strings cannot be matched; the front refuses that pairing)."""
+    (then stop strings cannot be matched; the front refuses that pairing).
+    Only the text not yet handed out and the last few characters (where a
+    stop string can still end) are kept: growing one string per token would
+    copy the whole text every token."""
 
     __slots__ = ("index", "detokenizer", "stop", "include_stop", "min_tokens", "num_tokens",
-                 "text", "num_sent", "finished", "stop_string", "_holdback")
+                 "finished", "stop_string", "_unsent", "_recent", "_keep", "_holdback")
 
     def __init__(self, index: int, params: SamplingParams, detokenizer: Any | None) -> None:
         self.index = index
@@ -45,13 +48,20 @@ class SampleState:
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
-        self.text = ""          # all text so far, held-back characters included
-        self.num_sent = 0       # characters of text already handed out
         self.finished = False
         self.stop_string: str | None = None  # the stop string that ended the sample
+        self._unsent = ""  # text not handed out yet
+        self._recent = ""  # the text's last characters, where a stop string may end
+        # A stop string ending in new text starts at most this far before it.
+        self._keep = max((len(s) for s in self.stop), default=1) - 1
         # A prefix of a stop string emitted too early could be cut later;
         # including the stop string, nothing emitted can be cut.
         self._holdback = bool(self.stop) and not self.include_stop
+
+    @property
+    def stopped_by_string(self) -> bool:
+        """The engine has not finished this sample: the caller must."""
+        return self.stop_string is not None
 
     def update(self, outputs: list[RequestOutput]) -> SampleDelta | None:
         """Fold this sample's outputs (oldest first) into one delta; None when
@@ -61,11 +71,11 @@ class SampleState:
             if self.finished:
                 break  # tokens sampled after a stop string, still in flight
             self._take(out, delta)
-        if self.finished:
-            delta.text, self.num_sent = self.text[self.num_sent:], len(self.text)
+        held = self._held_back() if self._holdback and not self.finished else 0
+        if held:
+            delta.text, self._unsent = self._unsent[:-held], self._unsent[-held:]
         else:
-            end = len(self.text) - self._held_back() if self._holdback else len(self.text)
-            delta.text, self.num_sent = self.text[self.num_sent:end], max(end, self.num_sent)
+            delta.text, self._unsent = self._unsent, ""
         if not (delta.token_ids or delta.text or delta.finish_reason):
             return None
         return delta
@@ -75,22 +85,22 @@ class SampleState:
         if self.stop:
             tokens = self._add_until_stop(tokens)
         elif self.detokenizer is not None:
-            self.text += self.detokenizer.add(tokens)
+            self._unsent += self.detokenizer.add(tokens)  # handed out at the end of update
         self.num_tokens += len(tokens)
         delta.token_ids.extend(tokens)
         if out.logprobs is not None:
             delta.logprobs = (delta.logprobs or []) + list(out.logprobs[:len(tokens)])
-        if self.stopped_by_string:
+        if self.stop_string is None and out.finish_reason is not None and \
+                self.detokenizer is not None:
+            tail = self.detokenizer.flush()
+            if tail:
+                self._append(tail)
+                if self.stop:
+                    self._find_stop(len(tail))
+        if self.stop_string is not None:
             delta.finish_reason, delta.stop_reason = "stop", self.stop_string
             self.finished = True
-            return
-        if out.finish_reason is not None:
-            if self.detokenizer is not None:
-                self.text += self.detokenizer.flush()
-                if self.stop and self._find_stop(0):
-                    delta.finish_reason, delta.stop_reason = "stop", self.stop_string
-                    self.finished = True
-                    return
+        elif out.finish_reason is not None:
             delta.finish_reason, delta.stop_reason = out.finish_reason, out.stop_reason
             self.finished = True
 
@@ -101,38 +111,40 @@ class SampleState:
             piece = self.detokenizer.add([token])
             if not piece:
                 continue
-            self.text += piece
+            self._append(piece)
             # vLLM's rule: stop strings count only once min_tokens are out.
             if self.num_tokens + k + 1 > self.min_tokens and self._find_stop(len(piece)):
                 return tokens[:k + 1]
         return tokens
 
-    @property
-    def stopped_by_string(self) -> bool:
-        """The engine has not finished this sample: the caller must."""
-        return self.stop_string is not None
+    def _append(self, piece: str) -> None:
+        self._unsent += piece
+        if self.stop:
+            self._recent = (self._recent[-self._keep:] if self._keep else "") + piece
 
-    def _find_stop(self, num_new_chars: int) -> bool:
-        """Look for the earliest stop string that ends in the last
-        ``num_new_chars`` characters (0: anywhere); cut the text there."""
-        text = self.text
+    def _find_stop(self, num_new: int) -> bool:
+        """Look for the earliest stop string that ends in the last ``num_new``
+        characters; on a hit cut the text there (after it if included)."""
+        recent = self._recent
         best = None
         for s in self.stop:
-            start = 0 if num_new_chars == 0 else max(0, len(text) - num_new_chars - len(s) + 1)
-            i = text.find(s, start)
+            i = recent.find(s, max(0, len(recent) - num_new - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
         i, s = best
-        self.text = text[:i + len(s)] if self.include_stop else text[:i]
-        self.num_sent = min(self.num_sent, len(self.text))
+        # What follows the cut is still unsent: hold-back kept a stop string's
+        # start unsent, and what follows an included one is in ``piece``.
+        drop = len(recent) - (i + len(s) if self.include_stop else i)
+        if drop:
+            self._unsent = self._unsent[:-drop]
         self.stop_string = s
         return True
 
     def _held_back(self) -> int:
-        """Length of the longest end of the text that begins some stop string."""
-        text = self.text
+        """Length of the longest end of the unsent text that begins some stop string."""
+        text = self._unsent
         longest = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), longest, -1):
