@@ -79,34 +79,6 @@ def test_streamed_stop_strings_never_take_text_back(client, oracle):
     assert last.usage.completion_tokens == len(want.token_ids)
 
 
-@pytest.mark.parametrize("server", ["local", "remote"])
-def test_n_samples_stream_with_their_index_and_equal_the_llm(cluster, oracle, server):
-    params = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=10, ignore_eos=True,
-                            logprobs=1)
-    want = oracle.generate({"prompt_token_ids": PROMPT}, params)[0]
-    with Client(getattr(cluster, server).address) as c:
-        got = c.generate(PROMPT, params)
-    assert [s.index for s in got.samples] == [0, 1, 2]
-    assert [s.token_ids for s in got.samples] == [o.token_ids for o in want.outputs]
-    assert [s.text for s in got.samples] == [o.text for o in want.outputs]
-    assert all(s.finish_reason == "length" and s.completion_tokens == 10 for s in got.samples)
-    for s, o in zip(got.samples, want.outputs):
-        assert [lp.keys() for lp in s.logprobs] == [lp.keys() for lp in o.logprobs]
-
-
-@pytest.mark.parametrize("server", ["local", "remote"])
-def test_prompt_logprobs_over_grpc_equal_the_llm(cluster, oracle, server):
-    params = _greedy(4, prompt_logprobs=3)
-    want = oracle.generate({"prompt_token_ids": PROMPT}, params)[0]
-    with Client(getattr(cluster, server).address) as c:
-        got = c.generate(PROMPT, params)
-    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(PROMPT)
-    for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
-        assert g.keys() == w.keys()
-        assert all(abs(g[t] - w[t]) < 1e-4 for t in g)
-    assert got.token_ids == want.token_ids
-
-
 def test_bad_words_are_never_generated_and_special_tokens_can_show(client, oracle):
     tok = oracle.tokenizer
     free = oracle.generate({"prompt_token_ids": PROMPT}, _greedy(24))[0]
