@@ -6,31 +6,37 @@
 
 SIGTERM (or Ctrl-C) drains: new requests get UNAVAILABLE, requests in flight
 finish (up to --drain-timeout seconds, then they are aborted), exit status 0.
+A port another process listens on is refused before the model loads.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 import sys
+from importlib import metadata
 
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 
 logger = logging.getLogger("tokenbudget.server")
 
 _DEFAULT_MAX_MODEL_LEN = 8192
+_REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version",
+                   version=f"%(prog)s (tokenbudget) {metadata.version('tokenbudget')}")
     g = p.add_argument_group("model")
     g.add_argument("--model", help="Hugging Face checkpoint: a local folder or a hub id. "
                    "Without it the built-in tiny demo model (random weights) is served.")
-    g.add_argument("--dtype", default="auto",
-                   help="weights and activations: auto, float32, float16, bfloat16 "
-                   "(default %(default)s: the checkpoint's, float32 on CPU)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and activations (default %(default)s: float32 on CPU; on a "
+                   "GPU the checkpoint's half dtype, else bfloat16)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if "
                    "available, else cpu)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash_attn"],
@@ -44,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
     g.add_argument("--port", type=int, default=50051,
-                   help="gRPC port; 0 picks a free one (default %(default)s)")
+                   help="gRPC port; 0 picks a free one (default %(default)s). A port another "
+                   "process listens on is refused")
     g.add_argument("--max-message-size", type=int, default=64 << 20,
                    help="largest request message in bytes; larger ones get RESOURCE_EXHAUSTED "
                    "(default 64 MiB)")
@@ -53,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default %(default)s; all streams share one asyncio event loop, "
                    "--grpc-threads is the old name)")
     g.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this HTTP port (default: off)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being "
+                   "--host (default: off)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight (default %(default)s)")
     g.add_argument("--gil-switch-interval-ms", type=float, default=1.0,
@@ -64,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gc-threshold", type=int, default=DEFAULT_GEN0_THRESHOLD,
                    help="Python collector's generation-0 threshold, set after start-up when "
                    "the heap is frozen (default %(default)s; CPython's own is 700)")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["debug", "info", "warning", "error"],
+                   help="level of tokenbudget's own log lines; debug adds one line per "
+                   "finished request. Other libraries log at info and above "
+                   "(default %(default)s)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a stats line (generation tokens/s, running and waiting requests, "
+                   "KV cache usage, prefix cache hit rate, finished requests) this often "
+                   "while requests run, quiet while idle; 0 disables (default %(default)s)")
 
     g = p.add_argument_group("workers")
     g.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
@@ -106,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admission-reserve", dest="admission_reserve", action="store_true",
                    default=None, help="reserve KV for running requests' expected output when "
                    "admitting (default: on for lpm/dfs-weight/lof/random, off for fcfs/priority)")
-    g.add_argument("--no-admission-reserve", dest="admission_reserve", action="store_false")
+    g.add_argument("--no-admission-reserve", dest="admission_reserve", action="store_false",
+                   help="admit on the KV blocks free now, reserving none for running "
+                   "requests' expected output (the default for fcfs/priority)")
     g.add_argument("--aging-bound-s", type=float, default=30.0,
                    help="lpm/dfs-weight: requests waiting longer than this go first, in arrival "
                    "order; 0 disables (default %(default)s)")
@@ -132,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV blocks to allocate (overrides memory-based sizing)")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache size, e.g. 2GiB or 512MB (CPU default: see the worker)")
+                   help="KV cache size, e.g. 2GiB or 512MB (default on CPU: 1GiB, or less when "
+                   "--max-num-seqs sequences at --max-model-len need less; on a GPU: what "
+                   "--gpu-memory-utilization leaves free after a profile run)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + activations + KV "
                    "(default %(default)s)")
@@ -149,6 +172,7 @@ def build_engine(args: argparse.Namespace, metrics=None):
     from tokenbudget.server.demo import ensure_demo_model
     from tokenbudget.server.input_processor import InputProcessor
     from tokenbudget.server.llm import parse_memory_size
+    from tokenbudget.worker.grpc_worker import check_port_free
 
     is_demo = args.model is None
     model = args.model or ensure_demo_model(args.demo_dir)
@@ -173,6 +197,8 @@ def build_engine(args: argparse.Namespace, metrics=None):
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=parse_memory_size(args.kv_cache_memory),
         gpu_memory_utilization=args.gpu_memory_utilization)
+    # Loading the weights takes seconds to minutes: a taken port fails first.
+    check_port_free(args.host, args.port)
     executor = _make_executor(args, model)
     core = EngineCore(scheduler_config, cache_config, executor)
     input_processor = InputProcessor.from_pretrained(model, vocab_size=text_config.vocab_size)
@@ -216,7 +242,8 @@ def _eos_token_ids(model: str, input_processor) -> list[int]:
 
 
 def serve(args: argparse.Namespace, engine) -> int:
-    """Run the gRPC server until SIGTERM/SIGINT; returns the exit status."""
+    """Run the gRPC server until SIGTERM/SIGINT; returns the exit status.
+    Raises BindError (the engine shut down) when the port cannot be bound."""
     return asyncio.run(_serve(args, engine))
 
 
@@ -225,21 +252,26 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     # costs about half the CPU per streamed token of a thread per stream.
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
 
     from tokenbudget.proto import worker_pb2
     from tokenbudget.server.grpc_service import SERVICE_NAME, add_generation_servicer
+    from tokenbudget.worker.grpc_worker import NO_PORT_REUSE, bind_port
 
     server = grpc.aio.server(
         maximum_concurrent_rpcs=args.max_concurrent_rpcs,
         options=[("grpc.max_receive_message_length", args.max_message_size),
-                 ("grpc.max_send_message_length", args.max_message_size)])
+                 ("grpc.max_send_message_length", args.max_message_size), NO_PORT_REUSE])
+    try:
+        port = bind_port(server, args.host, args.port)
+    except OSError:
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        raise
     servicer = add_generation_servicer(server, engine)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
-         health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    _enable_reflection(server, (SERVICE_NAME,
+                                worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+                                health.SERVICE_NAME))
 
     async def set_health(status) -> None:
         for name in ("", SERVICE_NAME):
@@ -255,9 +287,6 @@ async def _serve(args: argparse.Namespace, engine) -> int:
             pass
 
     engine.on_death(on_death)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {args.host}:{args.port}")
     await server.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING if engine.healthy
                      else health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -281,35 +310,72 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _enable_reflection(server, service_names: tuple[str, ...]) -> None:
+    """Server reflection (on a grpc.aio server) under both names clients ask
+    for: grpc.reflection.v1 (grpcurl, current gRPC libraries) and v1alpha
+    (older ones). grpcio-reflection implements only v1alpha; v1's messages are
+    the same on the wire (same fields and numbers, another package), so one
+    servicer answers under both names."""
+    import grpc
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+    names = (reflection.SERVICE_NAME, _REFLECTION_V1)
+    servicer = reflection.aio.ReflectionServicer((*service_names, *names))
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(tuple(
+        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
+        for name in names))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=max(level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
-    metrics = None
-    if args.metrics_port is not None:
-        from tokenbudget.server.metrics import EngineMetrics
-
-        metrics = EngineMetrics(args.model or "demo")
-        metrics.serve(args.metrics_port)
-        logger.info("Prometheus metrics on :%d/metrics", args.metrics_port)
+    logging.getLogger("tokenbudget").setLevel(level)
     if args.gc_threshold < 1:
         sys.exit(f"server: --gc-threshold must be >= 1, got {args.gc_threshold}")
     if args.gil_switch_interval_ms <= 0:
         sys.exit("server: --gil-switch-interval-ms must be > 0, got "
                  f"{args.gil_switch_interval_ms}")
-    sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
+    if args.log_stats_interval < 0:
+        sys.exit(f"server: --log-stats-interval must be >= 0, got {args.log_stats_interval}")
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    from tokenbudget.server.metrics import EngineMetrics
+    from tokenbudget.worker.grpc_worker import BindError
+
+    metrics = EngineMetrics(args.model or "demo", log_interval=args.log_stats_interval)
     try:
-        engine = build_engine(args, metrics)
-    except ValueError as exc:
+        if args.metrics_port is not None:
+            try:
+                metrics.serve(args.metrics_port, args.host)
+            except OSError as exc:
+                reason = ("address already in use" if exc.errno == errno.EADDRINUSE
+                          else exc.strerror)
+                sys.exit(f"server: cannot serve metrics on {args.host}:{args.metrics_port}: "
+                         f"{reason}")
+            logger.info("Prometheus metrics on http://%s:%d/metrics", args.host,
+                        args.metrics_port)
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
+        try:
+            engine = build_engine(args, metrics)
+        except ValueError as exc:
+            sys.exit(f"server: {exc}")
+        # Start-up is done: freeze what it built and keep collections out of the steps.
+        policy = configure_gc(args.gc_threshold)
+        logger.info("gc: froze %d start-up objects; thresholds %s", policy.frozen,
+                    policy.thresholds)
+        sys.exit(serve(args, engine))
+    except BindError as exc:  # the port is taken: say so, without a traceback
         sys.exit(f"server: {exc}")
-    # Start-up is done: freeze what it built and keep collections out of the steps.
-    policy = configure_gc(args.gc_threshold)
-    logger.info("gc: froze %d start-up objects; thresholds %s", policy.frozen, policy.thresholds)
-    sys.exit(serve(args, engine))
+    finally:
+        metrics.close()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the serving engine (``server --metrics-port``).
+"""What the engine thread reports, as Prometheus metrics (``server
+--metrics-port``) and log lines (server/stats_logger.py).
 
 Names follow vLLM's where one exists, with a ``tokenbudget:`` prefix. Engine
 gauges are refreshed at most every ``interval`` seconds: making the stats
@@ -12,6 +13,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tokenbudget.server.stats_logger import StatsLogger
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -19,10 +22,15 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
 
 
 class EngineMetrics:
+    """The engine's observer (AsyncEngine calls the hooks below on its
+    thread). ``log_interval`` > 0 also logs a stats line that often
+    (StatsLogger); call ``close()`` when the engine is done."""
+
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 interval: float = 0.25) -> None:
+                 interval: float = 0.25, log_interval: float = 0.0) -> None:
         self.registry = registry or CollectorRegistry()
         self.interval = interval
+        self.stats_logger = StatsLogger(log_interval)
         self._last = 0.0
         self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
         r, labels = self.registry, ["model_name"]
@@ -56,12 +64,19 @@ class EngineMetrics:
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
+    def close(self) -> None:
+        self.stats_logger.close()
+
     # -- hooks called by the engine thread ----------------------------------------------
     def observe_tokens(self, n: int) -> None:
         if n:
             self.generation_tokens.inc(n)
+            self.stats_logger.record_tokens(n)
 
-    def observe_finished(self, timing, now: float) -> None:
+    def observe_finished(self, timing, now: float, **request: Any) -> None:
+        """``request``: optional request_id, num_prompt_tokens, finish_reason
+        for the debug line (StatsLogger.record_finished)."""
+        self.stats_logger.record_finished(timing, now, **request)
         self.e2e.observe(now - timing.arrival)
         if timing.first_token is not None:
             self.ttft.observe(timing.first_token - timing.arrival)
@@ -76,6 +91,7 @@ class EngineMetrics:
         self.observe_engine(make_stats())
 
     def observe_engine(self, stats) -> None:
+        self.stats_logger.record_engine(stats)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -9,9 +9,11 @@ of step N, and answers them strictly in order.
 """
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -25,6 +27,14 @@ from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _END = object()
+
+# gRPC turns SO_REUSEPORT on by default: a second server on a taken port would
+# start and split new connections with the first. One owner per port.
+NO_PORT_REUSE = ("grpc.so_reuseport", 0)
+
+
+class BindError(OSError):
+    """A server cannot listen on its address; the message names it and the cause."""
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -122,11 +132,48 @@ def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
         ("grpc.max_send_message_length", max_message_size),
-        ("grpc.max_receive_message_length", max_message_size)])
+        ("grpc.max_receive_message_length", max_message_size), NO_PORT_REUSE])
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(stop, gc_threshold=gc_threshold), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = bind_port(server, host, port)
     server.start()
     return server, bound, stop
+
+
+def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port (0: a free port) with a server built with
+    NO_PORT_REUSE; returns the bound port. Raises BindError naming the address
+    and, when it can be found, the cause ("address already in use")."""
+    check_port_free(host, port)  # the cause, without gRPC's own error log line
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # lost a race for the port; grpc says only "Failed to bind"
+        bound = 0
+    if bound == 0:
+        check_port_free(host, port)
+        raise BindError(f"cannot listen on {host}:{port}")
+    return bound
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise BindError("cannot listen on HOST:PORT: address already in use") when
+    a listening socket holds the address. A probe, not a reservation: call it
+    before slow start-up work so a taken port fails in a second, not after
+    the model has loaded; bind_port stays the authority."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for family, type_, proto, _, addr in infos:
+        with socket.socket(family, type_, proto) as probe:
+            # As gRPC does: a port left in TIME_WAIT by a closed server is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                reason = ("address already in use" if exc.errno == errno.EADDRINUSE
+                          else exc.strerror)
+                raise BindError(f"cannot listen on {host}:{port}: {reason}") from None
