@@ -382,16 +382,19 @@ class AsyncEngine:
             stream.put(RequestOutput(rid, [], "abort"))
 
     def _finish_stopped(self, rid: str) -> None:
-        if self._sample_done(rid, time.monotonic()):
+        if self._sample_done(rid, time.monotonic(), "stop"):
             self.core.stop_requests([rid])
 
-    def _sample_done(self, rid: str, now: float) -> bool:
+    def _sample_done(self, rid: str, now: float, finish_reason: str | None) -> bool:
         """A sample finished; False if it was no longer live."""
         stream = self._close(rid)
         if stream is None:
             return False
         if self.metrics is not None and stream.request_id not in self._groups:
-            self.metrics.observe_finished(stream.timing, now)  # the request's last sample
+            # The request's last sample.
+            self.metrics.observe_finished(stream.timing, now, request_id=stream.request_id,
+                                          num_prompt_tokens=stream.num_prompt_tokens,
+                                          finish_reason=finish_reason)
         return True
 
     def _close(self, rid: str) -> RequestStream | None:
@@ -417,7 +420,7 @@ class AsyncEngine:
                 timing.first_token = now
             timing.num_tokens += n
             if out.finished:
-                self._sample_done(out.request_id, now)
+                self._sample_done(out.request_id, now, out.finish_reason)
             # A request that failed (its grammar did not compile) raises in the reader.
             stream.put(out if out.error is None else out.error, wake=False)
             if stream.loop is not None:

@@ -160,8 +160,9 @@ def test_dtype_is_checked_by_the_parser_and_every_flag_explains_itself(capsys):
 # -- log lines ---------------------------------------------------------------------------
 def test_debug_level_logs_a_line_per_finished_request_and_a_periodic_stats_line(ops):
     with Client(ops.server.address) as c:
-        for _ in range(3):
-            c.generate("Hello there", max_tokens=8, temperature=0, ignore_eos=True)
+        for i in range(3):
+            c.generate("Hello there", max_tokens=8, temperature=0, ignore_eos=True,
+                       request_id=f"dbg-{i}")
 
     def stats_lines() -> list[str]:
         return [x for x in ops.server.log.splitlines() if "Avg generation throughput" in x]
@@ -179,6 +180,9 @@ def test_debug_level_logs_a_line_per_finished_request_and_a_periodic_stats_line(
     finished = [x for x in ops.server.log.splitlines() if "request" in x and "finished" in x]
     assert len(finished) == 3, ops.server.log
     assert all(" DEBUG " in x and "output 8 tokens" in x and "TTFT" in x for x in finished)
+    assert [x.split("request ")[1].split()[:2] for x in finished] == \
+        [[f"dbg-{i}", "finished"] for i in range(3)]
+    assert all("(length)" in x for x in finished)
 
 
 def _count(line: str, label: str) -> int:
