@@ -44,6 +44,7 @@ class TokenHistory:
     num_tokens: np.ndarray         # [n]
 
     def output(self, j: int) -> np.ndarray:
+        """Row j's output tokens (a view)."""
         row = self.rows[j]
         return self.token_ids[row, self.num_prompt_tokens[j]:self.num_tokens[j]]
 

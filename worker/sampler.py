@@ -115,30 +115,33 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # Logprobs stay those of `logits` as given: the processors work on a copy.
         processed = logits if metadata.processors is None else metadata.processors.apply(logits)
+        private = processed is not logits  # a float32 copy: temperature may scale it in place
         if metadata.all_greedy:
             sampled = processed.argmax(dim=-1)
         elif metadata.all_random:
-            sampled = _sample_random(processed, metadata)
+            sampled = _sample_random(processed, metadata, in_place=private)
         else:
             sampled = processed.argmax(dim=-1)
             sampled.index_copy_(0, metadata.random_index,
                                 _sample_random(processed.index_select(0, metadata.random_index),
-                                               metadata))
+                                               metadata, in_place=private))
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None)
         ids, logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, ids, logprobs)
 
 
-def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Token ids for the random rows; `logits` holds exactly those rows, in random_rows order."""
+def _sample_random(logits: torch.Tensor, md: SamplingMetadata, in_place: bool) -> torch.Tensor:
+    """Token ids for the random rows; `logits` holds exactly those rows, in random_rows order.
+    `in_place`: `logits` is a private float32 copy that may be overwritten."""
     rows = None if md.all_random else md.random_index
 
     def select(values: torch.Tensor | None) -> torch.Tensor | None:
         return values if values is None or rows is None else values.index_select(0, rows)
 
-    # A fresh float32 tensor: the caller's logits stay untouched for logprobs.
-    x = logits / select(md.temperature).unsqueeze(1)
+    # Otherwise a fresh float32 tensor: the caller's logits stay untouched for logprobs.
+    temperature = select(md.temperature).unsqueeze(1)
+    x = logits.div_(temperature) if in_place else logits / temperature
     cutoff = _cutoff_logits(x, select(md.top_k), md.max_top_k, select(md.top_p),
                             md.top_p_index, select(md.min_p))
     if cutoff is not None:
