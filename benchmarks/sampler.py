@@ -8,6 +8,11 @@ OFF is the same sampling without them. Steps alternate ON/OFF so load on a share
 alike; medians are reported with their ratio (and the median of neighbouring pairs' ratios).
 
     python benchmarks/sampler.py [--rows 64,256 --vocab 1216,152000 --device cpu]
+    python benchmarks/sampler.py --end-to-end   # whole generations through LLM, tiny model
+
+``--end-to-end`` times what a user pays: LLM.generate of N prompts (256 tokens, 64 outputs,
+temperature 1) on the tiny random-weight Qwen3, with the same processors ON vs OFF, alternating,
+median of ``--e2e-repeat`` runs.
 """
 from __future__ import annotations
 
@@ -85,6 +90,33 @@ def run_case(rows: int, vocab: int, temperature: float, args, rng: np.random.Gen
             "on_over_off_paired_median": round(statistics.median(pairs), 3)}
 
 
+def end_to_end(rows: int, args) -> dict:
+    import tempfile
+
+    from tokenbudget.server import LLM
+    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(build_tiny_qwen3(tmp), num_gpu_blocks=rows * 24 + 64, max_num_seqs=rows)
+    prompts = [{"prompt_token_ids": rng.integers(10, 1100, args.prompt_len).tolist()}
+               for _ in range(rows)]
+    extra = {"off": {}, "on": dict(PENALTIES, logit_bias={5: 2.0, 6: -2.0, 7: 2.0, 8: 0.5})}
+    times: dict[str, list[float]] = {name: [] for name in extra}
+    for _ in range(args.e2e_repeat):
+        for name, kw in extra.items():
+            llm.engine.scheduler.reset_prefix_cache()
+            params = SamplingParams(max_tokens=args.output_len, temperature=1.0, seed=1,
+                                    ignore_eos=True, **kw)
+            t = time.perf_counter()
+            llm.generate(prompts, params)
+            times[name].append(time.perf_counter() - t)
+    llm.shutdown()
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"mode": "end_to_end", "rows": rows, "off_s": round(med["off"], 3),
+            "on_s": round(med["on"], 3), "on_over_off": round(med["on"] / med["off"], 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="64,256")
@@ -96,8 +128,15 @@ def main() -> None:
     p.add_argument("--repeat-large", type=int, default=9, help="steps per config, large vocab")
     p.add_argument("--device", default="cpu")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--end-to-end", action="store_true",
+                   help="time whole LLM.generate runs instead of the sampler alone")
+    p.add_argument("--e2e-repeat", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.torch_threads)
+    if args.end_to_end:
+        for rows in map(int, args.rows.split(",")):
+            print(json.dumps(end_to_end(rows, args)), flush=True)
+        return
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     temperatures = {"random": 1.0, "greedy": 0.0}
