@@ -103,18 +103,28 @@ def end_to_end(rows: int, args) -> dict:
                for _ in range(rows)]
     extra = {"off": {}, "on": dict(PENALTIES, logit_bias={5: 2.0, 6: -2.0, 7: 2.0, 8: 0.5})}
     times: dict[str, list[float]] = {name: [] for name in extra}
+    # The worker's own phase timings: per-step cost of a whole step vs of sampling.
+    runner = llm.executor.worker.model_runner
+    phases: dict[str, list[dict]] = {name: [] for name in extra}
     for _ in range(args.e2e_repeat):
         for name, kw in extra.items():
             llm.engine.scheduler.reset_prefix_cache()
             params = SamplingParams(max_tokens=args.output_len, temperature=1.0, seed=1,
                                     ignore_eos=True, **kw)
+            runner.timings.clear()
             t = time.perf_counter()
             llm.generate(prompts, params)
             times[name].append(time.perf_counter() - t)
+            phases[name].append(dict(runner.timings))
     llm.shutdown()
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    step = {name: statistics.median(sum(p.values()) for p in ps) for name, ps in phases.items()}
+    sample = {name: statistics.median(p["sample"] for p in ps) for name, ps in phases.items()}
     return {"mode": "end_to_end", "rows": rows, "off_s": round(med["off"], 3),
-            "on_s": round(med["on"], 3), "on_over_off": round(med["on"] / med["off"], 3)}
+            "on_s": round(med["on"], 3), "on_over_off": round(med["on"] / med["off"], 3),
+            "worker_s": {k: round(v, 3) for k, v in step.items()},
+            "worker_on_over_off": round(step["on"] / step["off"], 3),
+            "sample_s": {k: round(v, 3) for k, v in sample.items()}}
 
 
 def main() -> None:
