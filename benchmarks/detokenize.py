@@ -1,7 +1,8 @@
 """Per streamed token: incremental detokenization and stop-string matching.
 
-Prints one JSON line per vocabulary: microseconds per token (median of
-``--repeat`` runs) for
+Prints one JSON line per vocabulary: whether the DecodeStream path, the window
+path and a full decode agree on random byte-fragment streams, and
+microseconds per token (median of ``--repeat`` runs) for
 * ``window``: re-decoding a short window per token (the generic path, used for
   tokenizers without a tokenizers backend);
 * ``decode_stream``: the tokenizers library's DecodeStream (fast tokenizers);
@@ -58,6 +59,29 @@ def _per_token_us(fn, ids: list[int], repeat: int) -> float:
     return round(statistics.median(times), 3)
 
 
+def _identical(tokenizer, slow, streams: int = 300) -> bool:
+    """DecodeStream, the window path and a full decode give the same text on random ids
+    (byte fragments, specials), fed one by one or in bursts."""
+    from tokenbudget.server.input_processor import IncrementalDetokenizer
+
+    rng = random.Random(1)
+    for _ in range(streams):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+        for skip in (True, False):
+            texts = []
+            for tok in (tokenizer, slow):
+                d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+                pos, out = 0, []
+                while pos < len(ids):
+                    n = rng.choice((1, 1, 2, 5))
+                    out.append(d.add(ids[pos:pos + n]))
+                    pos += n
+                texts.append("".join(out) + d.flush())
+            if texts[0] != texts[1] or texts[0] != tokenizer.decode(ids, skip_special_tokens=skip):
+                return False
+    return True
+
+
 def measure(tokenizer, name: str, num_tokens: int, repeat: int) -> dict:
     from tokenbudget.core import RequestOutput, SamplingParams
     from tokenbudget.server.input_processor import IncrementalDetokenizer
@@ -81,7 +105,8 @@ def measure(tokenizer, name: str, num_tokens: int, repeat: int) -> dict:
         return run
 
     slow = _NoBackend(tokenizer)
-    result = {"vocab": name, "vocab_size": len(tokenizer), "tokens": len(ids)}
+    result = {"vocab": name, "vocab_size": len(tokenizer), "tokens": len(ids),
+              "identical_on_random_fragments": _identical(tokenizer, slow)}
     result["window_us"] = _per_token_us(detok(lambda: IncrementalDetokenizer(slow)), ids, repeat)
     result["decode_stream_us"] = _per_token_us(
         detok(lambda: IncrementalDetokenizer(tokenizer)), ids, repeat)
