@@ -3,10 +3,12 @@
     python -m tokenbudget.proto.generate            # rewrite proto/*_pb2*.py
     python -m tokenbudget.proto.generate --out DIR  # write elsewhere (staleness test)
 
-The sources are compiled under the virtual path ``tokenbudget/v1/`` so their
-descriptors do not clash with other packages' ``common.proto`` in the global
-pool; the generated ``from tokenbudget.v1 import ...`` lines are then pointed
-at ``tokenbudget.proto``, where the modules live.
+Each source is compiled under a virtual path named after its package
+(``tokenbudget/v1/`` for ours, ``sglang/grpc/scheduler/`` for the SGLang
+gateway's worker protocol) so their descriptors do not clash with other
+packages' files of the same name in the global pool; the generated
+``from <virtual path> import ...`` lines are then pointed at
+``tokenbudget.proto``, where the modules live.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-SOURCES = ("common.proto", "worker.proto", "generate.proto")
-VIRTUAL_DIR = "tokenbudget/v1"
+# Virtual folder (the proto package as a path) -> the sources compiled under it.
+SOURCES = {
+    "tokenbudget/v1": ("common.proto", "worker.proto", "generate.proto"),
+    "sglang/grpc/scheduler": ("sglang_scheduler.proto",),
+}
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -27,17 +32,20 @@ def generate(out_dir: Path) -> list[Path]:
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        args = ["grpc_tools.protoc", f"-I{VIRTUAL_DIR}={PROTO_DIR}", f"-I{well_known}",
-                f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
-                *(f"{VIRTUAL_DIR}/{s}" for s in SOURCES)]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed: {' '.join(args)}")
-        for path in sorted((Path(tmp) / VIRTUAL_DIR).iterdir()):
-            text = path.read_text().replace("from tokenbudget.v1 import", "from tokenbudget.proto import")
-            target = out_dir / path.name
-            target.write_text(text)
-            written.append(target)
+    for virtual_dir, sources in SOURCES.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            args = ["grpc_tools.protoc", f"-I{virtual_dir}={PROTO_DIR}", f"-I{well_known}",
+                    f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
+                    *(f"{virtual_dir}/{s}" for s in sources)]
+            if protoc.main(args) != 0:
+                raise RuntimeError(f"protoc failed: {' '.join(args)}")
+            package = virtual_dir.replace("/", ".")
+            for path in sorted((Path(tmp) / virtual_dir).iterdir()):
+                text = path.read_text().replace(f"from {package} import",
+                                                "from tokenbudget.proto import")
+                target = out_dir / path.name
+                target.write_text(text)
+                written.append(target)
     return written
 
 

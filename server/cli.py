@@ -254,6 +254,7 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from tokenbudget.proto import worker_pb2
+    from tokenbudget.server import sglang_service
     from tokenbudget.server.grpc_service import SERVICE_NAME, add_generation_servicer
     from tokenbudget.worker.grpc_worker import NO_PORT_REUSE, bind_port
 
@@ -267,14 +268,17 @@ async def _serve(args: argparse.Namespace, engine) -> int:
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
         raise
     servicer = add_generation_servicer(server, engine)
+    # The SGLang model gateway's worker protocol, on the same port.
+    sglang = sglang_service.add_sglang_scheduler_servicer(
+        server, engine, served_model_name=getattr(args, "served_model_name", None))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     _enable_reflection(server, (SERVICE_NAME,
                                 worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
-                                health.SERVICE_NAME))
+                                sglang_service.SERVICE_NAME, health.SERVICE_NAME))
 
     async def set_health(status) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, sglang_service.SERVICE_NAME):
             await health_servicer.set(name, status)
 
     loop = asyncio.get_running_loop()
@@ -290,6 +294,7 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     await server.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING if engine.healthy
                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+    sglang.ready = True
     # Tests and scripts wait for this line (the port may have been picked by the OS).
     print(f"tokenbudget server listening on {args.host}:{port}", flush=True)
 
@@ -300,6 +305,7 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     logger.info("draining: refusing new requests, waiting up to %.0fs for %d in flight",
                 args.drain_timeout, engine.num_requests)
     servicer.draining.set()
+    sglang.draining = True
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     # Blocking waits run off the loop, which keeps streaming the requests in flight.
     if not await loop.run_in_executor(None, engine.wait_idle, args.drain_timeout):

@@ -75,7 +75,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return requests[0], self.engine.add_request(requests, request_id=rid)
 
     def _make_requests(self, request: generate_pb2.GenerateRequest) -> tuple[str, list[Request]]:
-        engine = self.engine
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         if not rid:
             raise ValueError("request_id must not be empty (leave it unset to get one)")
@@ -83,20 +82,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             params = convert.sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
-        if params.structured is not None:
-            manager = engine.core.scheduler.structured_output_manager
-            if manager is None:
-                raise ValueError("sampling_params.structured: structured output is not enabled "
-                                 "on this server")
-            try:  # parsing only (milliseconds); the compile runs off the engine loop
-                manager.validate(params.structured)
-            except ValueError as exc:
-                raise ValueError(f"sampling_params.{exc}") from None
         prompt = self._prompt(request)
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        return rid, build_requests(engine.input_processor, rid, prompt, params,
-                                   eos_token_ids=engine.eos_token_ids,
-                                   priority=request.priority, cache_salt=cache_salt)
+        return rid, make_requests(self.engine, rid, prompt, params, priority=request.priority,
+                                  cache_salt=cache_salt)
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> dict:
         """The InputProcessor's prompt form for the request's input oneof."""
@@ -194,6 +183,25 @@ class AioGenerationServicer(GenerationServicer):
 
 
 _NO_STATS = "the engine did not answer in time"
+
+
+def make_requests(engine: AsyncEngine, request_id: str, prompt: dict, params: SamplingParams, *,
+                  priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+    """The engine Requests of one gRPC request (every gRPC front builds them
+    here): a structured-output spec is parsed first, then build_requests.
+    Raises ValueError naming the field."""
+    if params.structured is not None:
+        manager = engine.core.scheduler.structured_output_manager
+        if manager is None:
+            raise ValueError("sampling_params.structured: structured output is not enabled "
+                             "on this server")
+        try:  # parsing only (milliseconds); the compile runs off the engine loop
+            manager.validate(params.structured)
+        except ValueError as exc:
+            raise ValueError(f"sampling_params.{exc}") from None
+    return build_requests(engine.input_processor, request_id, prompt, params,
+                          eos_token_ids=engine.eos_token_ids, priority=priority,
+                          cache_salt=cache_salt)
 
 
 def _not_live(request_id: str) -> str:
