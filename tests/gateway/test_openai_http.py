@@ -144,17 +144,20 @@ def test_n_samples_come_back_as_n_choices(cluster, stream):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_kv(cluster, clients):
     gw = cluster.gateway
+    generated = sum(c.stats().num_generated_tokens for c in clients.values())
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
     conn.request("POST", "/generate", json.dumps({
         "model": gw.model, "text": "a long story " * 20, "stream": True,
-        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}}),
+        "sampling_params": {"max_new_tokens": 3500, "ignore_eos": True, "temperature": 0}}),
         {"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200 and r.readline().startswith(b"data: ")
     assert sum(c.stats().num_running for c in clients.values()) == 1
     conn.sock.close()
     conn.close()
-    wait_all_free(clients)
+    wait_all_free(clients, timeout=5.0)
+    # Aborted, not run to its end (3500 tokens take several seconds here).
+    assert sum(c.stats().num_generated_tokens for c in clients.values()) - generated < 1500
 
 
 def test_a_refused_field_is_named_and_the_replica_stays_in_rotation(cluster, clients):
