@@ -284,7 +284,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None) -> None:
         self.engine = engine
-        self.served_model_name = served_model_name or engine.model_name
+        self.served_model_name = (served_model_name or getattr(engine, "served_model_name", None)
+                                  or engine.model_name)
         self.ready = False
         self.draining = False
         self.start_time = time.time()
