@@ -181,9 +181,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if paged_attn is None:
         raise RuntimeError(f"{PAGED_ATTENTION} attention needs the 'paged_attn' forward kwarg; "
                            "run this model through tokenbudget's ModelRunner")
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding-window attention is not supported by the paged backend")
     meta = paged_attn
+    window = kwargs.get("sliding_window")
+    # Within its window a sliding-window layer attends to everything, which is
+    # what we compute; the front caps max_model_len at the window (loader.sliding_window).
+    if window and meta.max_seq_len > window:
+        raise NotImplementedError(f"a sequence of {meta.max_seq_len} tokens exceeds the "
+                                  f"model's sliding window ({window}); set max_model_len <= "
+                                  f"{window}")
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention soft-capping and attention sinks are not "
+                                  "supported by the paged backend")
     q = query[0].transpose(0, 1)          # [T, H, D]
     k = key[0].transpose(0, 1)            # [T, Hkv, D]
     v = value[0].transpose(0, 1)

@@ -23,7 +23,7 @@ from tokenbudget.core.outputs import ModelRunnerOutput, PromptLogprobs, Schedule
 from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           kv_cache_bytes_per_block, resolve_backend)
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
-from tokenbudget.worker.loader import load_model
+from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
 from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
@@ -91,11 +91,13 @@ class _PromptRows:
 class ModelRunner:
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", attention_backend: str = "auto",
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, revision: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.device = torch.device(device)
         self.model = load_model(model, dtype=dtype, device=self.device,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code, revision=revision)
         self.dtype = next(self.model.parameters()).dtype
+        check_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.text_config = self.model.config.get_text_config()
         self.attention_backend = resolve_backend(attention_backend, self.device, self.dtype)
         self.vision = _VisionInputs(self.model) if is_vision_model(self.model) else None
@@ -115,9 +117,7 @@ class ModelRunner:
     @property
     def _kv_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of the decoder."""
-        c = self.text_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_hidden_layers, c.num_key_value_heads, head_dim
+        return decoder_kv_shape(self.text_config)
 
     def initialize_kv_cache(self, cache_config: CacheConfig,
                             scheduler_config: SchedulerConfig) -> int:

@@ -2,11 +2,13 @@
 
 Everything here is deterministic and offline: a byte-level BPE tokenizer is
 trained on a small built-in corpus with the Qwen special tokens, and a tiny
-Qwen3 is random-initialised from a fixed seed and saved with
-``save_pretrained`` so it is loaded through the real loading code.
+decoder (Qwen3, or GPT-2, Llama, Mistral, ... with that tokenizer) is
+random-initialised from a fixed seed and saved with ``save_pretrained`` so it
+is loaded through the real loading code.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -97,24 +99,66 @@ def padded_vocab_size(num_tokens: int, multiple: int = 64) -> int:
     return -(-num_tokens // multiple) * multiple
 
 
-def build_tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, **overrides) -> str:
-    """Save a random-init tiny Qwen3ForCausalLM (float32) and its tokenizer into ``path``."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+# Tiny settings per architecture (hidden 64, 2 layers), in each config's own
+# names: GPT-2's old ones, a Mistral sliding window as wide as its context
+# (exactly full attention), Gemma's single KV head, Phi's partial rotary.
+_TINY_DECODERS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, max_position_embeddings=4096)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=4096)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=1024)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=4096)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, max_position_embeddings=4096, sliding_window=4096)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        partial_rotary_factor=0.5, max_position_embeddings=4096)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, intermediate_size=128, max_position_embeddings=4096)),
+}
+TINY_ARCHITECTURES = tuple(_TINY_DECODERS)
 
+
+def build_tiny_decoder(path: str | os.PathLike, architecture: str, *, seed: int = 0,
+                       generation_config: dict | None = None, **overrides) -> str:
+    """Save a random-init tiny decoder of ``architecture`` (one of
+    TINY_ARCHITECTURES; float32) and the shared tokenizer into ``path``.
+    ``generation_config`` adds fields to its generation_config.json (sampling
+    defaults); ``overrides`` change the model config."""
+    import torch
+    import transformers
+
+    config_name, model_name, settings = _TINY_DECODERS[architecture]
     tokenizer = build_tokenizer(path)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    settings = dict(
-        vocab_size=padded_vocab_size(len(tokenizer)), hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=eos_id,
-        pad_token_id=pad_id, bos_token_id=None)
+    settings = dict(settings, vocab_size=padded_vocab_size(len(tokenizer)),
+                    tie_word_embeddings=architecture == "gpt2", eos_token_id=eos_id,
+                    pad_token_id=pad_id, bos_token_id=None)
     settings.update(overrides)
-    config = Qwen3Config(**settings)
+    config = getattr(transformers, config_name)(**settings)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    model.generation_config = transformers.GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(str(path))
+    if generation_config:
+        # Written as given: transformers refuses to save sampling fields
+        # without do_sample, yet published checkpoints' files hold them.
+        file = Path(path) / "generation_config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), **generation_config},
+                                   indent=2))
     return str(path)
+
+
+def build_tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, **overrides) -> str:
+    """Save a random-init tiny Qwen3ForCausalLM (float32) and its tokenizer into ``path``."""
+    return build_tiny_decoder(path, "qwen3", seed=seed, **overrides)

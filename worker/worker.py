@@ -17,11 +17,17 @@ class Worker:
 
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = None, attention_backend: str = "auto",
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, revision: str | None = None,
+                 kv_cache_dtype: str = "auto", seed: int | None = None) -> None:
+        """``seed`` seeds torch's global generator, which requests without a
+        seed of their own draw from (vLLM's ``seed`` engine argument)."""
+        if seed is not None:
+            torch.manual_seed(seed)
         self.model_name = model
         self.model_runner = ModelRunner(model, dtype=dtype, device=device or default_device(),
                                         attention_backend=attention_backend,
-                                        trust_remote_code=trust_remote_code)
+                                        trust_remote_code=trust_remote_code, revision=revision,
+                                        kv_cache_dtype=kv_cache_dtype)
 
     def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
         """Allocate the KV cache; returns the number of blocks (block 0 included)."""
