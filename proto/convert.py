@@ -13,7 +13,7 @@ from array import array
 from itertools import chain, compress, islice, repeat
 from numbers import Integral, Real
 from operator import itemgetter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
@@ -143,11 +143,13 @@ def sampling_params_to_proto(sp: SamplingParams, out: common_pb2.SamplingParams)
         structured_to_proto(sp.structured, out.structured)
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults; a bad value raises
+def sampling_params_from_proto(msg: common_pb2.SamplingParams,
+                               defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """Unset fields take ``defaults`` (the model's generation_config values,
+    by SamplingParams name), then SamplingParams' own; a bad value raises
     ValueError naming the field (SamplingParams validates itself)."""
-    kwargs: dict[str, Any] = {n: getattr(msg, n) for n in _OPTIONAL_SAMPLING_FIELDS
-                              if msg.HasField(n)}
+    kwargs: dict[str, Any] = dict(defaults or {})
+    kwargs.update((n, getattr(msg, n)) for n in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(n))
     for name in _LIST_SAMPLING_FIELDS:
         values = getattr(msg, name)
         if values:

@@ -199,11 +199,17 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, input_processor: Any | None = None,
                  metrics: Any | None = None, *, model_name: str = "",
                  eos_token_ids: list[int] | None = None, is_vision_language: bool = False,
-                 is_demo: bool = False, num_remote_workers: int = 0) -> None:
+                 is_demo: bool = False, num_remote_workers: int = 0,
+                 served_model_name: str | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.core = core
         self.input_processor = input_processor
         self.metrics = metrics
-        self.model_name = model_name
+        self.model_name = model_name  # the path or hub id it was loaded from
+        self.served_model_name = served_model_name or model_name
+        # SamplingParams keyword -> value for fields a request leaves unset
+        # (the model's generation_config; see server/generation_defaults.py).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.eos_token_ids = list(eos_token_ids or [])
         self.is_vision_language = is_vision_language
         self.is_demo = is_demo

@@ -17,12 +17,13 @@ import logging
 import signal
 import sys
 from importlib import metadata
+from typing import NoReturn
 
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.server.engine_args import DEFAULT_MAX_MODEL_LEN, KV_CACHE_DTYPES
 
 logger = logging.getLogger("tokenbudget.server")
 
-_DEFAULT_MAX_MODEL_LEN = 8192
 _REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -34,9 +35,37 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="Hugging Face checkpoint: a local folder or a hub id. "
                    "Without it the built-in tiny demo model (random weights) is served.")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name GetModelInfo and the gateway report (default: --model)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH_OR_ID",
+                   help="tokenizer folder or hub id (default: --model)")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a hub model (and of its tokenizer unless "
+                   "--tokenizer names another)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run the checkpoint's own modelling code (transformers' "
+                   "trust_remote_code)")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16", "float", "half"],
                    help="weights and activations (default %(default)s: float32 on CPU; on a "
                    "GPU the checkpoint's half dtype, else bfloat16)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the global generator that requests without their own seed "
+                   "draw from (default %(default)s)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template, a file or the template itself (default: the "
+                   "tokenizer's)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_new_tokens) for fields a request leaves unset: "
+                   "auto = the model's generation_config.json, vllm = none, or a folder "
+                   "holding one (default %(default)s)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / prompt_logprobs a request may ask for; -1 = the "
+                   "vocabulary (default %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="accepted for vLLM compatibility and changes nothing: tokenbudget "
+                   "never captures CUDA graphs, it always runs eagerly")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if "
                    "available, else cpu)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash_attn"],
@@ -72,10 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gc-threshold", type=int, default=DEFAULT_GEN0_THRESHOLD,
                    help="Python collector's generation-0 threshold, set after start-up when "
                    "the heap is frozen (default %(default)s; CPython's own is 700)")
+    g.add_argument("--api-key", default=None,
+                   help="refused: the gRPC server has no authentication of its own (put it "
+                   "behind the SGLang gateway's --api-key or an authenticating proxy)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", type=str.lower,
-                   choices=["debug", "info", "warning", "error"],
+                   choices=["debug", "info", "warning", "error", "critical"],
                    help="level of tokenbudget's own log lines; debug adds one line per "
                    "finished request. Other libraries log at info and above "
                    "(default %(default)s)")
@@ -83,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log a stats line (generation tokens/s, running and waiting requests, "
                    "KV cache usage, prefix cache hit rate, finished requests) this often "
                    "while requests run, quiet while idle; 0 disables (default %(default)s)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (as --log-stats-interval 0)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per finished request at info level (without it: at "
+                   "debug level)")
 
     g = p.add_argument_group("workers")
     g.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
@@ -100,14 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests running at once (default %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output limit per request (default: the model's, at most "
-                   f"{_DEFAULT_MAX_MODEL_LEN})")
+                   f"{DEFAULT_MAX_MODEL_LEN}, or its sliding window)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap one request's prefill chunk per step; 0 = no cap (default)")
-    g.add_argument("--policy", default="fcfs",
+    g.add_argument("--policy", "--scheduling-policy", default="fcfs",
                    choices=["fcfs", "priority", "lpm", "dfs-weight", "lof", "random"],
-                   help="waiting-queue order (default %(default)s)")
+                   help="waiting-queue order (default %(default)s; --scheduling-policy is "
+                   "vLLM's name, which has fcfs and priority)")
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
+                   default=True, help="schedule step N+1 while step N runs (the default)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="schedule step N+1 only after step N returned (default: overlap them)")
+                   help="schedule step N+1 only after step N returned")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="prompts longer than a step's budget are split into "
+                   "chunks: always on (--no-enable-chunked-prefill is refused)")
+    g.add_argument("--max-num-partial-prefills", type=int, default=1,
+                   help="prompts partially prefilled at once: 1, what the scheduler does "
+                   "(other values are refused)")
 
     g = p.add_argument_group("scheduling policy (SGLang-style)")
     g.add_argument("--max-queued-requests", type=int, default=0,
@@ -148,11 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block "
                    "(default %(default)s)")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks across requests with the same prefix (default on)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse KV blocks across requests with the same prefix")
-    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="as --no-enable-prefix-caching")
+    g.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks",
+                   type=int, default=None,
                    help="KV blocks to allocate (overrides memory-based sizing)")
-    g.add_argument("--kv-cache-memory", default=None,
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto (default): the model's dtype, the only one the cache is kept "
+                   "in; naming that dtype is accepted, others and fp8 are refused")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
+                   default=None,
                    help="KV cache size, e.g. 2GiB or 512MB (default on CPU: 1GiB, or less when "
                    "--max-num-seqs sequences at --max-model-len need less; on a GPU: what "
                    "--gpu-memory-utilization leaves free after a profile run)")
@@ -162,50 +216,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_args_from(args: argparse.Namespace):
+    """The EngineArgs of the parsed flags; refuses (UnsupportedArgument, a
+    ValueError) what cannot be honoured, before anything loads."""
+    from tokenbudget.server.engine_args import EngineArgs, UnsupportedArgument
+
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.worker:
+        # Initialize carries the model path, dtype, device and attention backend only.
+        for flag, given in (("--revision", args.revision is not None),
+                            ("--trust-remote-code", args.trust_remote_code),
+                            ("--kv-cache-dtype", args.kv_cache_dtype != "auto")):
+            if given:
+                raise UnsupportedArgument(f"{flag} with --worker", "a remote worker is told "
+                                          "only the model path, dtype, device and attention "
+                                          "backend; give --model a local folder it can read")
+    return engine_args
+
+
 def build_engine(args: argparse.Namespace, metrics=None):
     """An AsyncEngine for the parsed arguments (loads the model, sizes the KV cache)."""
-    from transformers import AutoConfig
-
-    from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
     from tokenbudget.core.engine import EngineCore
     from tokenbudget.server.async_engine import AsyncEngine
     from tokenbudget.server.demo import ensure_demo_model
+    from tokenbudget.server.generation_defaults import load_generation_defaults
     from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.server.llm import parse_memory_size
     from tokenbudget.worker.grpc_worker import check_port_free
+    from tokenbudget.worker.loader import check_supported
+    from tokenbudget.worker.model_source import load_config
 
+    engine_args = engine_args_from(args)
     is_demo = args.model is None
     model = args.model or ensure_demo_model(args.demo_dir)
     if is_demo:
         logger.warning("no --model given: serving the built-in DEMO model from %s "
                        "(tiny Qwen3 with RANDOM weights; its text is gibberish)", model)
-    config = AutoConfig.from_pretrained(model)
+    engine_args.model = model
+    config = load_config(model, revision=args.revision, trust_remote_code=args.trust_remote_code)
+    check_supported(config, model)
     text_config = config.get_text_config()
-    limit = getattr(text_config, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN
-    max_model_len = args.max_model_len or min(limit, _DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > limit:
-        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings={limit}")
-    scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
-        async_scheduling=args.async_scheduling,
-        **{name: getattr(args, name) for name in POLICY_OPTIONS})
-    cache_config = CacheConfig(
-        block_size=args.block_size, num_blocks=args.num_gpu_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory_bytes=parse_memory_size(args.kv_cache_memory),
-        gpu_memory_utilization=args.gpu_memory_utilization)
+    scheduler_config = engine_args.scheduler_config(engine_args.resolve_max_model_len(text_config))
+    cache_config = engine_args.cache_config()
+    input_processor = InputProcessor.from_pretrained(
+        model, vocab_size=text_config.vocab_size, trust_remote_code=args.trust_remote_code,
+        tokenizer=args.tokenizer, revision=args.revision,
+        chat_template=engine_args.read_chat_template(),
+        max_logprobs=engine_args.max_logprobs_for(text_config.vocab_size))
+    defaults = load_generation_defaults(model, source=args.generation_config,
+                                        revision=args.revision,
+                                        tokenizer_eos_token_id=input_processor.eos_token_id)
     # Loading the weights takes seconds to minutes: a taken port fails first.
     check_port_free(args.host, args.port)
     executor = _make_executor(args, model)
     core = EngineCore(scheduler_config, cache_config, executor)
-    input_processor = InputProcessor.from_pretrained(model, vocab_size=text_config.vocab_size)
     logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
                 cache_config.block_size, "on" if args.async_scheduling else "off")
     return AsyncEngine(core, input_processor, metrics, model_name=model,
-                       eos_token_ids=_eos_token_ids(model, input_processor),
+                       served_model_name=args.served_model_name,
+                       sampling_defaults=defaults.sampling, eos_token_ids=defaults.eos_token_ids,
                        is_vision_language=getattr(config, "vision_config", None) is not None,
                        is_demo=is_demo, num_remote_workers=len(args.worker))
 
@@ -222,23 +290,10 @@ def _make_executor(args: argparse.Namespace, model: str):
     from tokenbudget.worker.worker import Worker
 
     worker = Worker(model, dtype=args.dtype, device=args.device,
-                    attention_backend=args.attention_backend)
+                    attention_backend=args.attention_backend,
+                    trust_remote_code=args.trust_remote_code, revision=args.revision,
+                    kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
     return InProcessExecutor(worker, async_mode=args.async_scheduling)
-
-
-def _eos_token_ids(model: str, input_processor) -> list[int]:
-    """EOS ids from the generation config (may be a list), else the tokenizer's."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    if eos is None:
-        eos = input_processor.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def serve(args: argparse.Namespace, engine) -> int:
@@ -336,12 +391,36 @@ def _enable_reflection(server, service_names: tuple[str, ...]) -> None:
         for name in names))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def configure_logging(args: argparse.Namespace) -> None:
+    """--log-level for tokenbudget's loggers; other libraries log at info and above."""
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=max(level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tokenbudget").setLevel(level)
+
+
+def make_metrics(args: argparse.Namespace):
+    """The engine's observer: Prometheus metrics and the stats / request log lines."""
+    from tokenbudget.server.metrics import EngineMetrics
+
+    return EngineMetrics(args.served_model_name or args.model or "demo",
+                         log_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+                         log_requests=args.enable_log_requests)
+
+
+def _refuse(message: object) -> NoReturn:
+    """A configuration error: one line on stderr, exit status 2 (as argparse's)."""
+    print(f"server: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        engine_args_from(args)
+    except ValueError as exc:
+        _refuse(exc)
+    configure_logging(args)
     if args.gc_threshold < 1:
         sys.exit(f"server: --gc-threshold must be >= 1, got {args.gc_threshold}")
     if args.gil_switch_interval_ms <= 0:
@@ -353,10 +432,9 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    from tokenbudget.server.metrics import EngineMetrics
     from tokenbudget.worker.grpc_worker import BindError
 
-    metrics = EngineMetrics(args.model or "demo", log_interval=args.log_stats_interval)
+    metrics = make_metrics(args)
     try:
         if args.metrics_port is not None:
             try:
@@ -371,8 +449,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
         try:
             engine = build_engine(args, metrics)
-        except ValueError as exc:
-            sys.exit(f"server: {exc}")
+        except ValueError as exc:  # a bad setting or a checkpoint that cannot be read
+            _refuse(exc)
         # Start-up is done: freeze what it built and keep collections out of the steps.
         policy = configure_gc(args.gc_threshold)
         logger.info("gc: froze %d start-up objects; thresholds %s", policy.frozen,

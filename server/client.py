@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +67,12 @@ class Client:
                         **sampling) -> Iterator[generate_pb2.GenerateResponse]:
         """Yield GenerateResponse messages (token_ids and text deltas; the last
         has finish_reason and usage). Breaking out of the loop cancels the
-        request on the server. ``sampling`` keywords build a SamplingParams."""
+        request on the server. ``sampling`` keywords build a SamplingParams; the
+        server's defaults (the model's generation_config) fill the fields
+        neither names."""
         request = make_request(prompt, sampling_params or SamplingParams(**sampling),
-                               request_id=request_id, priority=priority, cache_salt=cache_salt)
+                               request_id=request_id, priority=priority, cache_salt=cache_salt,
+                               only=None if sampling_params is not None else sampling)
         call = self.stub.Generate(request, timeout=timeout)
         try:
             yield from call
@@ -120,16 +123,23 @@ class Client:
 
 def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
                  request_id: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> generate_pb2.GenerateRequest:
+                 cache_salt: str | None = None,
+                 only: Collection[str] | None = None) -> generate_pb2.GenerateRequest:
     """A GenerateRequest from a prompt: a string, a list of token ids,
     ``{"token_ids": [...]}``, ``{"text": ..., "images": [bytes]}`` or
-    ``{"messages": [{"role": ..., "content": str | [{"type": "text"|"image", ...}]}]}``."""
+    ``{"messages": [{"role": ..., "content": str | [{"type": "text"|"image", ...}]}]}``.
+    ``only``: send just these sampling fields, leaving the others unset for
+    the server to fill from the model's generation_config defaults."""
     msg = generate_pb2.GenerateRequest(priority=priority)
     if request_id is not None:
         msg.request_id = request_id
     if cache_salt is not None:
         msg.cache_salt = cache_salt
     convert.sampling_params_to_proto(sampling_params, msg.sampling_params)
+    if only is not None:
+        for f, _ in msg.sampling_params.ListFields():
+            if f.name not in only:
+                msg.sampling_params.ClearField(f.name)
     if isinstance(prompt, str):
         msg.text = prompt
     elif isinstance(prompt, dict):

@@ -79,7 +79,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if not rid:
             raise ValueError("request_id must not be empty (leave it unset to get one)")
         try:
-            params = convert.sampling_params_from_proto(request.sampling_params)
+            params = convert.sampling_params_from_proto(request.sampling_params,
+                                                        self.engine.sampling_defaults)
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
         prompt = self._prompt(request)
@@ -132,7 +133,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         e = self.engine
         sched = e.core.scheduler
         return generate_pb2.ModelInfo(
-            model=e.model_name, vocab_size=e.input_processor.vocab_size,
+            model=e.served_model_name, vocab_size=e.input_processor.vocab_size,
             max_model_len=sched.scheduler_config.max_model_len,
             block_size=sched.cache_config.block_size, num_blocks=sched.cache_config.num_blocks,
             is_vision_language=e.is_vision_language, is_demo=e.is_demo,

@@ -14,24 +14,43 @@ Prompt = str | dict[str, Any]
 class InputProcessor:
     """Tokenizes and validates the prompt forms of ``LLM.generate`` and the server:
     a string, ``{"prompt_token_ids": [...]}``, ``{"messages": [...]}`` (chat,
-    images as bytes or PIL images) or ``{"prompt": str, "images": [...]}``."""
+    images as bytes or PIL images; optional ``"chat_template"`` and
+    ``"add_generation_prompt"`` for text chats) or ``{"prompt": str, "images": [...]}``."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, model_path: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, model_path: str | None = None, *,
+                 max_logprobs: int | None = None) -> None:
+        """``max_logprobs``: the most (prompt) logprobs a request may ask for
+        (vLLM's engine argument; None: up to the vocabulary size)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_logprobs = vocab_size if max_logprobs is None else max_logprobs
         self._model_path = model_path
         self._mm_processor = None
 
     @classmethod
     def from_pretrained(cls, path: str, *, vocab_size: int | None = None,
-                        trust_remote_code: bool = False) -> InputProcessor:
-        from transformers import AutoConfig, AutoTokenizer
+                        trust_remote_code: bool = False, tokenizer: str | None = None,
+                        revision: str | None = None, chat_template: str | None = None,
+                        max_logprobs: int | None = None) -> InputProcessor:
+        """``tokenizer``: another folder or hub id for the tokenizer (default:
+        ``path`` at ``revision``); ``chat_template`` replaces the tokenizer's own."""
+        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        from tokenbudget.worker.model_source import load_config, load_or_explain
+
+        # revision names a version of the model's repository, not of another tokenizer's.
+        source, tok_revision = (path, revision) if tokenizer is None else (tokenizer, None)
+        tok = load_or_explain(
+            lambda: AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                                  revision=tok_revision),
+            source, what="tokenizer", flag="--tokenizer" if tokenizer else "--model",
+            revision=tok_revision)
+        if chat_template is not None:
+            tok.chat_template = chat_template
         if vocab_size is None:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            config = load_config(path, revision=revision, trust_remote_code=trust_remote_code)
             vocab_size = config.get_text_config().vocab_size
-        return cls(tokenizer, vocab_size, path)
+        return cls(tok, vocab_size, path, max_logprobs=max_logprobs)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -63,6 +82,9 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {value}")
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}, the "
+                                 f"server's limit), got {value}")
         if not params.bad_words:
             return params
         sequences = list(params.bad_words_token_ids or [])
@@ -89,8 +111,9 @@ class InputProcessor:
             messages = prompt["messages"]
             if _has_images(messages):
                 return self.mm_processor.process_messages(messages)
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, chat_template=prompt.get("chat_template"),
+                add_generation_prompt=prompt.get("add_generation_prompt", True))
             return self.tokenizer.encode(text, add_special_tokens=False), []
         if "prompt" in prompt:
             images = prompt.get("images") or []

@@ -2,20 +2,18 @@
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
 from tokenbudget.core.engine import EngineCore
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.structured_output import StructuredOutputManager
+from tokenbudget.server.engine_args import EngineArgs, read_chat_template
+from tokenbudget.server.generation_defaults import load_generation_defaults
 from tokenbudget.server.input_processor import InputProcessor, Prompt
 from tokenbudget.server.output_processor import SampleState
 from tokenbudget.server.request_builder import build_requests
-
-_DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(slots=True)
@@ -70,72 +68,52 @@ class GenerationResult:
         return self.outputs[0].logprobs
 
 
-def parse_memory_size(value: int | str | None) -> int | None:
-    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"2g"`` -> bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", str(value).lower())
-    if not m:
-        raise ValueError(f"kv_cache_memory must be a byte count or a size like '2GiB', got {value!r}")
-    number, unit, suffix = m.groups()
-    base = 1000 if suffix == "b" else 1024
-    return int(float(number) * base ** " kmgt".index(unit or " "))
-
-
 class LLM:
-    """``LLM(model, **engine_args)``; engine args mirror the CLI flags in snake case."""
+    """``LLM(model, **engine_args)``: the engine arguments of ``server`` in snake
+    case (``EngineArgs``), vLLM's names included: ``max_num_seqs=64``,
+    ``num_gpu_blocks_override=512``, ``scheduling_policy="priority"``,
+    ``generation_config="vllm"``, ``max_logprobs=5``, and the SGLang-style
+    policy options of ``core.config.POLICY_OPTIONS`` (``preemption_mode=
+    "retract"``). An unknown keyword is a TypeError; a value we cannot
+    honour, a ValueError saying why; a checkpoint that cannot be read, a
+    ``ModelLoadError`` (a ValueError) naming the path or id and what to do."""
 
-    def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
-                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, block_size: int = 16,
-                 num_gpu_blocks: int | None = None, kv_cache_memory: int | str | None = None,
-                 gpu_memory_utilization: float = 0.9, policy: str = "fcfs",
-                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-                 attention_backend: str = "auto", async_scheduling: bool = False,
-                 seed: int = 0, trust_remote_code: bool = False,
-                 grammar_compile_timeout_s: float = 30.0, **policy_options) -> None:
-        """``policy_options``: the SGLang-style scheduling options of
-        ``SchedulerConfig`` (``core.config.POLICY_OPTIONS``), e.g.
-        ``max_queued_requests=100`` or ``preemption_mode="retract"``."""
-        import torch
-
-        unknown = sorted(set(policy_options) - set(POLICY_OPTIONS))
-        if unknown:
-            raise TypeError(f"LLM() got unknown engine argument(s) {unknown}")
-
+    def __init__(self, model: str, **engine_args) -> None:
         from tokenbudget.worker.executor import InProcessExecutor
         from tokenbudget.worker.worker import Worker
 
-        torch.manual_seed(seed)  # unseeded random sampling draws from the global stream
-        worker = Worker(model, dtype=dtype, device=device, attention_backend=attention_backend,
-                        trust_remote_code=trust_remote_code)
-        text_config = worker.model_runner.text_config
-        limit = getattr(text_config, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN
-        if max_model_len is None:
-            max_model_len = min(limit, _DEFAULT_MAX_MODEL_LEN)
-        elif max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}")
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=policy, async_scheduling=async_scheduling, **policy_options)
-        self.cache_config = CacheConfig(
-            block_size=block_size, num_blocks=num_gpu_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=parse_memory_size(kv_cache_memory),
-            gpu_memory_utilization=gpu_memory_utilization)
+        args = self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        worker = Worker(model, dtype=args.dtype, device=args.device,
+                        attention_backend=args.attention_backend,
+                        trust_remote_code=args.trust_remote_code, revision=args.revision,
+                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
+        runner = worker.model_runner
+        max_model_len = args.resolve_max_model_len(runner.text_config)
+        self.scheduler_config = args.scheduler_config(max_model_len)
+        self.cache_config = args.cache_config()
         self.input_processor = InputProcessor.from_pretrained(
-            model, vocab_size=worker.model_runner.vocab_size, trust_remote_code=trust_remote_code)
-        self.eos_token_ids = _eos_token_ids(worker.model_runner.model, self.input_processor)
-        self.executor = InProcessExecutor(worker, async_mode=async_scheduling)
+            model, vocab_size=runner.vocab_size, trust_remote_code=args.trust_remote_code,
+            tokenizer=args.tokenizer, revision=args.revision,
+            chat_template=args.read_chat_template(),
+            max_logprobs=args.max_logprobs_for(runner.vocab_size))
+        self.generation_defaults = load_generation_defaults(
+            model, source=args.generation_config, revision=args.revision,
+            tokenizer_eos_token_id=self.input_processor.eos_token_id)
+        self.eos_token_ids = self.generation_defaults.eos_token_ids
+        self.executor = InProcessExecutor(worker, async_mode=args.async_scheduling)
         # Cheap until a structured request arrives (xgrammar loads then).
         self.structured_output = StructuredOutputManager(
-            self.input_processor.tokenizer, worker.model_runner.vocab_size,
-            compile_timeout_s=grammar_compile_timeout_s)
+            self.input_processor.tokenizer, runner.vocab_size,
+            compile_timeout_s=args.grammar_compile_timeout_s)
         self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor,
                                  self.structured_output)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the model's
+        generation_config.json defaults (unless ``generation_config="vllm"``)
+        over SamplingParams' own. A SamplingParams you build is used as is."""
+        return self.generation_defaults.sampling_params()
 
     @property
     def tokenizer(self):
@@ -148,7 +126,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -165,6 +143,27 @@ class LLM:
             self.engine.abort_requests(list(samples))
             raise
         return results
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[GenerationResult]:
+        """Like vLLM's ``LLM.chat``: one conversation (a list of ``{"role",
+        "content"}`` messages) or a list of them, each rendered with the chat
+        template (``chat_template``, inline or a file, replaces the
+        tokenizer's for this call) and generated; one result per conversation."""
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = read_chat_template(chat_template)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            prompt: dict = {"messages": list(conversation),
+                            "add_generation_prompt": add_generation_prompt}
+            if template is not None:
+                prompt["chat_template"] = template
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _make_requests(self, prompt: Prompt, params: SamplingParams
                        ) -> tuple[str, list[Request]]:
@@ -229,12 +228,3 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-
-def _eos_token_ids(model, input_processor: InputProcessor) -> list[int]:
-    """EOS ids from the generation config (may be a list), else the tokenizer's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = input_processor.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

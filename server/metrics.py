@@ -27,10 +27,11 @@ class EngineMetrics:
     (StatsLogger); call ``close()`` when the engine is done."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 interval: float = 0.25, log_interval: float = 0.0) -> None:
+                 interval: float = 0.25, log_interval: float = 0.0,
+                 log_requests: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         self.interval = interval
-        self.stats_logger = StatsLogger(log_interval)
+        self.stats_logger = StatsLogger(log_interval, log_requests=log_requests)
         self._last = 0.0
         self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
         r, labels = self.registry, ["model_name"]

@@ -7,8 +7,9 @@ line still showed requests running or waiting), one line like vLLM's::
     KV cache usage: 41.2%, Prefix cache hit rate: 63.0%, Finished: 130 reqs, Preemptions: 0
 
 (throughput, finished requests and preemptions over the interval; the others
-as last observed; the hit rate since start). At debug level, one line per
-finished request. The engine thread only records numbers (EngineMetrics
+as last observed; the hit rate since start). At debug level (at info with
+``log_requests``, vLLM's ``--enable-log-requests``), one line per finished
+request. The engine thread only records numbers (EngineMetrics
 forwards its hooks here); a daemon thread writes the periodic line, so an
 idle engine still gets its last line out.
 """
@@ -26,10 +27,11 @@ class StatsLogger:
     """``interval`` seconds between periodic lines; 0 writes none (the
     per-request debug lines stay). Call ``close()`` to stop the thread."""
 
-    def __init__(self, interval: float, *, start: bool = True) -> None:
+    def __init__(self, interval: float, *, start: bool = True, log_requests: bool = False) -> None:
         if interval < 0:
             raise ValueError(f"log interval must be >= 0 seconds, got {interval}")
         self.interval = interval
+        self.request_level = logging.INFO if log_requests else logging.DEBUG
         # Written by the engine thread only; the logging thread just reads them.
         self._num_tokens = 0
         self._num_finished = 0
@@ -61,7 +63,7 @@ class StatsLogger:
         """A request finished; ``timing`` has ``arrival``, ``first_token`` (or
         None) and ``num_tokens`` on the engine's monotonic clock."""
         self._num_finished += 1
-        if not logger.isEnabledFor(logging.DEBUG):
+        if not logger.isEnabledFor(self.request_level):
             return
         parts = [f"request {request_id}" if request_id else "request", "finished"]
         if finish_reason:
@@ -76,7 +78,7 @@ class StatsLogger:
                 tpot = (now - timing.first_token) / (timing.num_tokens - 1)
                 detail.append(f"TPOT {tpot * 1e3:.1f} ms")
         detail.append(f"e2e {now - timing.arrival:.3f} s")
-        logger.debug("%s: %s", " ".join(parts), ", ".join(detail))
+        logger.log(self.request_level, "%s: %s", " ".join(parts), ", ".join(detail))
 
     # -- logging thread ----------------------------------------------------------------
     def log(self, now: float | None = None) -> str | None:

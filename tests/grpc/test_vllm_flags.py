@@ -1,0 +1,165 @@
+"""vLLM's engine arguments on `server`: each is accepted and reaches the
+engine setting it names, or is refused with one line saying why (exit 2)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tokenbudget.proto import generate_pb2
+from tokenbudget.server import cli
+from tokenbudget.server.engine_args import EngineArgs
+from tokenbudget.server.grpc_service import GenerationServicer
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+# Flags checked on the settings they produce, without loading a model:
+# (argv, what the settings must hold).
+SETTINGS = [
+    (["--enable-prefix-caching"], lambda s: s.cache.enable_prefix_caching is True),
+    (["--no-enable-prefix-caching"], lambda s: s.cache.enable_prefix_caching is False),
+    (["--no-prefix-caching"], lambda s: s.cache.enable_prefix_caching is False),
+    (["--num-gpu-blocks-override", "40"], lambda s: s.cache.num_blocks == 40),
+    (["--kv-cache-memory-bytes", "1048576"], lambda s: s.cache.kv_cache_memory_bytes == 1 << 20),
+    (["--kv-cache-memory-bytes", "2GiB"], lambda s: s.cache.kv_cache_memory_bytes == 2 << 30),
+    (["--scheduling-policy", "priority"], lambda s: s.sched.policy == "priority"),
+    (["--async-scheduling"], lambda s: s.sched.async_scheduling is True),
+    (["--no-async-scheduling"], lambda s: s.sched.async_scheduling is False),
+    (["--enable-chunked-prefill"], lambda s: s.args.enable_chunked_prefill is True),
+    (["--max-num-partial-prefills", "1"], lambda s: s.args.max_num_partial_prefills == 1),
+    (["--enforce-eager"], lambda s: s.args.enforce_eager is True),  # no graphs: a no-op
+    (["--trust-remote-code"], lambda s: s.args.trust_remote_code is True),
+    (["--disable-log-stats"], lambda s: s.metrics.stats_logger.interval == 0),
+    (["--enable-log-requests"], lambda s: s.metrics.stats_logger.request_level == logging.INFO),
+    (["--log-level", "critical"], lambda s: logging.getLogger("tokenbudget").level
+     == logging.CRITICAL),
+]
+
+# Flags refused before anything loads: (argv, the reason's words).
+REFUSED = [
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8' is not supported: the attention kernels"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "is not supported: the attention kernels"),
+    (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not supported: the "
+     "token-budget scheduler always splits"),
+    (["--max-num-partial-prefills", "4"], "max_num_partial_prefills=4 is not supported"),
+    (["--api-key", "secret"], "api_key is not supported: tokenbudget's gRPC server has no "
+     "authentication"),
+    (["--revision", "v1", "--worker", "127.0.0.1:1"], "--revision with --worker is not supported"),
+]
+
+
+class _Settings:
+    def __init__(self, argv: list[str]) -> None:
+        ns = cli.build_parser().parse_args(argv)
+        self.args = cli.engine_args_from(ns)
+        self.sched = self.args.scheduler_config(128)
+        self.cache = self.args.cache_config()
+        cli.configure_logging(ns)
+        self.metrics = cli.make_metrics(ns)
+        self.metrics.close()
+
+
+@pytest.fixture
+def keep_log_level():
+    logger = logging.getLogger("tokenbudget")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("argv, holds", SETTINGS, ids=[" ".join(a) for a, _ in SETTINGS])
+def test_vllm_flag_reaches_its_setting(argv, holds, keep_log_level):
+    assert holds(_Settings(argv))
+
+
+@pytest.mark.parametrize("argv, reason", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_vllm_flag_is_refused_with_its_reason(argv, reason, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert reason in err and err.count("\n") == 1, err
+
+
+def test_version_flag_prints_the_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("server (tokenbudget) ")
+
+
+def test_llm_keywords_take_the_same_names_and_aliases():
+    args = EngineArgs.from_kwargs("m", num_gpu_blocks_override=40, kv_cache_memory_bytes="1GiB",
+                                  scheduling_policy="priority", enable_prefix_caching=False,
+                                  max_logprobs=5, preemption_mode="retract")
+    assert args.cache_config().num_blocks == 40
+    assert args.cache_config().kv_cache_memory_bytes == 1 << 30
+    assert args.scheduler_config(64).policy == "priority"
+    assert args.scheduler_config(64).preemption_mode == "retract"
+    assert args.cache_config().enable_prefix_caching is False
+    with pytest.raises(ValueError, match="num_gpu_blocks_override and num_gpu_blocks name the "
+                                         "same setting"):
+        EngineArgs.from_kwargs("m", num_gpu_blocks_override=40, num_gpu_blocks=41)
+    with pytest.raises(TypeError, match="unknown engine argument 'max_num_seq'"):
+        EngineArgs.from_kwargs("m", max_num_seq=4)
+    with pytest.raises(ValueError, match="not supported"):
+        EngineArgs.from_kwargs("m", kv_cache_dtype="fp8")
+
+
+# Flags that act when the model loads, checked on one engine built with all of
+# them (in process: loading once keeps this cheap).
+@pytest.fixture(scope="module")
+def flagged_engine(tiny_model, tmp_path_factory):
+    from tokenbudget.worker.tiny_models import build_tokenizer
+
+    tokenizer_dir = str(tmp_path_factory.mktemp("other_tokenizer"))
+    build_tokenizer(tokenizer_dir)
+    template_file = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template_file.write_text(TEMPLATE)
+    ns = cli.build_parser().parse_args([
+        "--model", tiny_model, "--port", "0", "--num-gpu-blocks", "32", "--max-model-len", "256",
+        "--served-model-name", "my-model", "--seed", "1234", "--tokenizer", tokenizer_dir,
+        "--revision", "main", "--chat-template", str(template_file),
+        "--generation-config", "vllm", "--max-logprobs", "3", "--kv-cache-dtype", "float32"])
+    engine = cli.build_engine(ns)
+    yield engine, tokenizer_dir
+    engine.shutdown()
+
+
+def test_model_flags_reach_the_engine(flagged_engine):
+    engine, tokenizer_dir = flagged_engine
+    servicer = GenerationServicer(engine)
+    assert servicer._model_info().model == "my-model"           # --served-model-name
+    assert torch.initial_seed() == 1234                          # --seed
+    assert engine.input_processor.tokenizer.name_or_path == tokenizer_dir  # --tokenizer
+    assert engine.input_processor.tokenizer.chat_template == TEMPLATE      # --chat-template FILE
+    assert engine.sampling_defaults == {}                        # --generation-config vllm
+    assert engine.input_processor.max_logprobs == 3              # --max-logprobs
+    for field in ("logprobs", "prompt_logprobs"):
+        request = generate_pb2.GenerateRequest(text="hi")
+        setattr(request.sampling_params, field, 4)
+        with pytest.raises(ValueError, match=f"sampling_params.{field} must be <= "
+                                             r"max_logprobs \(3"):
+            servicer._make_requests(request)
+    request = generate_pb2.GenerateRequest(text="hi")
+    request.sampling_params.logprobs = 3
+    servicer._make_requests(request)
+
+
+def test_chat_template_may_be_given_inline(tiny_model):
+    from tokenbudget.server.input_processor import InputProcessor
+
+    ns = cli.build_parser().parse_args(["--chat-template", TEMPLATE])
+    template = cli.engine_args_from(ns).read_chat_template()
+    processor = InputProcessor.from_pretrained(tiny_model, chat_template=template)
+    ids, _ = processor.process({"messages": [{"role": "user", "content": "hi"}]})
+    assert processor.tokenizer.decode(ids) == "<user>hi"
+
+
+def test_kv_cache_dtype_other_than_the_models_is_refused_at_load(tiny_model):
+    ns = cli.build_parser().parse_args(["--model", tiny_model, "--port", "0",
+                                        "--num-gpu-blocks", "8", "--kv-cache-dtype", "bfloat16"])
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' is not supported: the KV "
+                                         r"cache is kept in the model's dtype \(float32\)"):
+        cli.build_engine(ns)
