@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "lof", "random")
+POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "lof", "random", "slo")
 # SchedulerConfig fields of the SGLang-style policies, exposed as CLI flags and
 # LLM(...) keyword arguments under the same names.
 POLICY_OPTIONS = (
@@ -11,6 +11,7 @@ POLICY_OPTIONS = (
     "in_batch_prefix_check_threshold", "in_batch_prefix_deprioritize_threshold",
     "aging_bound_s", "random_seed", "admission_reserve", "preemption_mode",
     "priority_preemption_threshold", "max_queued_requests",
+    "slo_reject_late", "slo_step_time_ms", "fair_share", "tenant_weights",
 )
 
 
@@ -42,8 +43,8 @@ class SchedulerConfig:
     # already chosen this round wait a round. 0 disables.
     in_batch_prefix_check_threshold: int = 32
     in_batch_prefix_deprioritize_threshold: int = 32
-    # Cache-aware policies serve requests waiting longer than this (seconds)
-    # first, in arrival order. 0 disables aging.
+    # Cache-aware policies and slo serve requests waiting longer than this
+    # (seconds) first, in arrival order. 0 disables aging.
     aging_bound_s: float = 30.0
     random_seed: int = 0
     # Reserve KV for running requests' future tokens when admitting (SGLang's
@@ -63,6 +64,19 @@ class SchedulerConfig:
     # Waiting requests beyond this are rejected (or, with priority, the worst
     # queued one is evicted for a strictly better newcomer). 0: unlimited.
     max_queued_requests: int = 0
+    # -- SLO-aware and fair-share scheduling (core/slo.py) --
+    # policy=slo: a waiting request that cannot reach its first token by its
+    # TTFT deadline is refused (finished "abort") instead of queued behind the
+    # ones that can. False: it only waits behind them (until aging_bound_s).
+    slo_reject_late: bool = False
+    # policy=slo: the step time used to estimate when a queued request would get
+    # its first token; 0 learns it from the steps (an EWMA).
+    slo_step_time_ms: float = 0.0
+    # Weighted fair share between tenants (Request.tenant): admission order
+    # gives each tenant scheduled tokens in proportion to its weight (default
+    # 1.0 for a tenant not listed). Works with every policy but priority.
+    fair_share: bool = False
+    tenant_weights: dict[str, float] | None = None
 
     @property
     def use_admission_reserve(self) -> bool:
@@ -86,6 +100,14 @@ class SchedulerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+        if self.fair_share and self.policy == "priority":
+            raise ValueError("fair_share does not combine with policy 'priority' "
+                             "(a priority queue has its own order)")
+        for tenant, weight in (self.tenant_weights or {}).items():
+            if not weight > 0:
+                raise ValueError(f"tenant_weights[{tenant!r}] must be > 0, got {weight}")
+        if self.slo_step_time_ms < 0:
+            raise ValueError(f"slo_step_time_ms must be >= 0, got {self.slo_step_time_ms}")
         if self.encoder_cache_size < 0 or self.encoder_compute_budget < 0:
             raise ValueError("encoder_cache_size and encoder_compute_budget must be >= 0")
 

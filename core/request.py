@@ -66,7 +66,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "block_hashes", "num_output_placeholders",
         "stop_reason", "max_tokens", "num_prompt_tokens", "structured_request",
         "first_scheduled_time", "skip_reading_prefix_cache", "num_prompt_logprobs_sent",
-        "__weakref__")
+        "tenant", "ttft_ms", "tpot_ms", "__weakref__")
 
     def __init__(
         self,
@@ -79,9 +79,17 @@ class Request:
         mm_features: list[MultiModalFeature] | None = None,
         cache_salt: str | None = None,
         lora_id: int | None = None,
+        tenant: str | None = None,
+        ttft_ms: float | None = None,
+        tpot_ms: float | None = None,
     ) -> None:
+        """``tenant`` names who sent the request (fair share); ``ttft_ms`` and
+        ``tpot_ms`` are its latency targets (policy "slo", goodput)."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt_token_ids must not be empty")
+        for name, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
+            if value is not None and not value > 0:
+                raise ValueError(f"request {request_id}: {name} must be > 0, got {value}")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -91,6 +99,9 @@ class Request:
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
         self.cache_salt = cache_salt
         self.lora_id = lora_id
+        self.tenant = tenant
+        self.ttft_ms = ttft_ms
+        self.tpot_ms = tpot_ms
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids: list[int] = []

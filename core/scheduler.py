@@ -20,6 +20,7 @@ from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewR
                                       PromptLogprobs, RequestOutput, SchedulerOutput)
 from tokenbudget.core.queue import create_queue
 from tokenbudget.core.request import Request, RequestStatus
+from tokenbudget.core.slo import FairShare, SLOOrder
 from tokenbudget.core.stop import check_stop
 
 
@@ -92,6 +93,8 @@ class Scheduler:
         self._reserve = (AdmissionReserve(scheduler_config, block_size)
                          if scheduler_config.use_admission_reserve else None)
         self._priority_sign = -1 if scheduler_config.priority_descending else 1
+        self._slo = SLOOrder(scheduler_config) if scheduler_config.policy == "slo" else None
+        self._fair = FairShare(scheduler_config) if scheduler_config.fair_share else None
         # Outputs produced outside a model step (queue evictions), returned by
         # the next update_from_output.
         self._side_outputs: list[RequestOutput] = []
@@ -209,10 +212,14 @@ class Scheduler:
         step = _Step(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
         if self._reserve is not None:
             self._reserve.on_step()
+        if self._slo is not None:
+            self._slo.on_schedule(self.clock())
         if self.structured_output_manager is not None:
             self._abort_failed_grammars()
         if cfg.policy == "priority" and cfg.priority_preemption_threshold >= 0 and self.waiting:
             self._preempt_for_priority(step)
+        elif self._fair is not None and self.waiting:
+            self._preempt_for_fair_share(step)
         self._schedule_running(step)
         # A step that had to preempt is out of memory: admitting now would
         # only preempt again next step.
@@ -289,9 +296,13 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold
         waiting = self.waiting
         deprioritized = ()
-        if self._order is not None and step.token_budget > 0 and \
-                len(self.running) < cfg.max_num_seqs:
-            deprioritized = self._order.reorder(waiting, kv, self.clock())
+        if step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+            if self._order is not None:
+                deprioritized = self._order.reorder(waiting, kv, self.clock())
+            if self._slo is not None:
+                self._order_by_slo()
+            if self._fair is not None:
+                self._fair.order(waiting, self.running)
         reserve = self._reserve
         reserved = reserve.reserve_blocks(self.running) if reserve is not None else 0.0
         skipped: list[Request] = []
@@ -347,6 +358,17 @@ class Scheduler:
         for req in reversed(skipped):
             waiting.prepend(req)
 
+    def _order_by_slo(self) -> None:
+        decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_tokens)
+        late = self._slo.reorder(self.waiting, self.clock(), decoding)
+        for req in late:
+            # Refused early: it could not meet its TTFT target anyway.
+            self._free_request(req, RequestStatus.FINISHED_ABORTED)
+            req.stop_reason = "cannot meet its TTFT target"
+            self._side_outputs.append(RequestOutput(req.request_id, [], "abort", None,
+                                                    max(req.num_cached_tokens, 0),
+                                                    req.stop_reason))
+
     def _fits_reserve(self, req: Request, num_new: int, hits: list, num_cached: int,
                       reserved: float) -> bool:
         """With the admission reserve on: whether the running requests'
@@ -362,6 +384,11 @@ class Scheduler:
 
     # -- preemption -------------------------------------------------------------
     def _pick_victim(self) -> Request:
+        if self._fair is not None:
+            # Memory is short: the tenant furthest above its share gives back.
+            seats = self._fair.seats(self.running, None, self.scheduler_config.max_num_seqs)
+            worst = max((r.tenant for r in self.running), key=lambda t: seats[t])
+            return next(r for r in reversed(self.running) if r.tenant == worst)
         return self._pick_victim_from(self.running)
 
     def _preempt_for_priority(self, step: _Step) -> None:
@@ -399,6 +426,48 @@ class Scheduler:
         for r in victims:
             self._preempt(r, step)
         # Displacing is not a memory shortage: admission goes ahead.
+        step.displaced.extend(victims)
+        for r in victims:
+            step.preempted.remove(r)
+
+    def _preempt_for_fair_share(self, step: _Step) -> None:
+        """A tenant below its share of the running seats whose next request
+        cannot get a seat or its first chunk's blocks takes them from the
+        tenant furthest above its share (that tenant's latest admitted
+        requests; their blocks stay in the prefix cache for their return)."""
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        self._fair.order(self.waiting, self.running)
+        head = self.waiting.peek()
+        if head.status != RequestStatus.WAITING:
+            return
+        hits, num_cached = kv.get_computed_blocks(head)
+        chunk = min(head.num_tokens - num_cached, cfg.max_num_batched_tokens)
+        if 0 < cfg.long_prefill_token_threshold < chunk:
+            chunk = cfg.long_prefill_token_threshold
+        need_blocks = -(-(num_cached + chunk) // kv.block_size) - len(hits)
+        need_blocks += sum(1 for b in hits if b.ref_cnt == 0)
+        free = kv.block_pool.get_num_free_blocks()
+        need_seat = len(self.running) >= cfg.max_num_seqs
+        if free >= need_blocks and not need_seat:
+            return
+        seats = self._fair.seats(self.running, head.tenant, cfg.max_num_seqs)
+        victims: list[Request] = []
+        for r in reversed(self.running):
+            if free >= need_blocks and not (need_seat and not victims):
+                break
+            if r.tenant == head.tenant or seats.get(r.tenant, 0.0) <= 0 or \
+                    seats.get(head.tenant, 0.0) >= 0:
+                continue
+            victims.append(r)
+            seats[r.tenant] -= 1
+            seats[head.tenant] += 1
+            free += sum(1 for b in kv.req_to_blocks.get(r.request_id, ()) if b.ref_cnt == 1)
+        if free < need_blocks or (need_seat and not victims):
+            return
+        for r in victims:
+            self._preempt(r, step)
+        # Taking back a share is not a memory shortage: admission goes ahead.
         step.displaced.extend(victims)
         for r in victims:
             step.preempted.remove(r)
@@ -529,9 +598,14 @@ class Scheduler:
     def _update_after_schedule(self, step: _Step) -> None:
         requests = self.requests
         placeholders = self.scheduler_config.async_scheduling
+        fair = self._fair
+        if self._slo is not None:
+            self._slo.on_scheduled(sum(step.num_scheduled.values()))
         for rid, n in step.num_scheduled.items():
             req = requests[rid]
             req.num_computed_tokens += n
+            if fair is not None:
+                fair.charge(req.tenant, n)
             if placeholders and req.num_computed_tokens >= req.num_tokens:
                 # The worker will sample a token we have not seen yet.
                 req.num_output_placeholders += 1
