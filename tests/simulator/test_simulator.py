@@ -77,7 +77,16 @@ def test_executor_drives_the_scheduler_through_preemption_chunking_and_prefix_hi
                                    eos_token_id=999, arrival_time=0.0))
     scheduled: list[dict[str, int]] = []
     execute = ex.execute_model
-    ex.execute_model = lambda so: (scheduled.append(dict(so.num_scheduled_tokens)), execute(so))[1]
+
+    def checked(so):
+        scheduled.append(dict(so.num_scheduled_tokens))
+        out = execute(so).result()
+        for rid, new in zip(out.req_ids, out.sampled_token_ids):
+            req = sched.requests[rid]  # num_computed_tokens already counts this step
+            assert bool(new) == (req.num_computed_tokens >= req.num_tokens), rid
+        return _done(out)
+
+    ex.execute_model = checked
     reasons, tokens, steps = {}, {}, 0
     while engine.has_unfinished_requests():
         before = clock.now
@@ -101,16 +110,23 @@ def test_executor_drives_the_scheduler_through_preemption_chunking_and_prefix_hi
     assert ex.num_steps == steps
 
 
+def _done(value):
+    from concurrent.futures import Future
+    f = Future()
+    f.set_result(value)
+    return f
+
+
 def test_executor_chunks_a_prompt_longer_than_the_budget():
     clock = SimClock()
     ex = SimulatedExecutor(CostModel(MODEL, HW, GPU_DEFAULT_CONSTANTS), clock, vocab_size=1000)
     engine = EngineCore(SchedulerConfig(max_num_batched_tokens=32),
                         CacheConfig(num_blocks=50), ex)
-    engine.add_request(Request("a", list(range(1, 101)), SamplingParams(max_tokens=2)))
+    engine.add_request(Request("a", list(range(1, 98)), SamplingParams(max_tokens=2)))
     got = []
     while engine.has_unfinished_requests():
         got.append([o.new_token_ids for o in engine.step()])
-    # 100 prompt tokens in chunks of 32, 32, 32, 4: no output until the last
+    # 97 prompt tokens in chunks of 32, 32, 32, 1: no output until the last
     # chunk, which samples the first token; then one decode.
     assert len(got) == 5 and got[:3] == [[], [], []]
     assert [len(g) for g in got[3:]] == [1, 1] and len(got[3][0]) == len(got[4][0]) == 1
