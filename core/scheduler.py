@@ -213,7 +213,7 @@ class Scheduler:
         if self._reserve is not None:
             self._reserve.on_step()
         if self._slo is not None:
-            self._slo.on_schedule(self.clock())
+            self._slo.on_schedule(self.clock(), bool(self.running))
         if self.structured_output_manager is not None:
             self._abort_failed_grammars()
         if cfg.policy == "priority" and cfg.priority_preemption_threshold >= 0 and self.waiting:

@@ -39,14 +39,15 @@ class SLOOrder:
         self.reject_late = config.slo_reject_late
         self.budget = config.max_num_batched_tokens
         self.fixed_step_s = config.slo_step_time_ms / 1000.0
-        # Learned step time: the time between two schedule() calls that
-        # follow a step that ran something.
+        # Learned step time: the time between two schedule() calls with
+        # requests running across both (otherwise the gap may hold idle time).
         self.step_s = self.fixed_step_s
         self._last_schedule: float | None = None
         self._last_tokens = 0
 
-    def on_schedule(self, now: float) -> None:
-        if not self.fixed_step_s and self._last_schedule is not None and self._last_tokens:
+    def on_schedule(self, now: float, busy: bool) -> None:
+        if busy and not self.fixed_step_s and self._last_schedule is not None and \
+                self._last_tokens:
             dt = now - self._last_schedule
             self.step_s = dt if not self.step_s else 0.8 * self.step_s + 0.2 * dt
         self._last_schedule = now

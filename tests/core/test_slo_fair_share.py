@@ -101,3 +101,28 @@ def test_slo_and_fair_share_options_are_validated():
         Request("r", [1, 2], SamplingParams(), ttft_ms=0)
     r = Request("r", [1, 2], SamplingParams(), tenant="t", ttft_ms=200, tpot_ms=20)
     assert (r.tenant, r.ttft_ms, r.tpot_ms) == ("t", 200, 20)
+
+
+def test_slo_step_time_ignores_idle_gaps(make_scheduler, make_request, run_to_completion):
+    # The first request runs 10 ms steps; the second arrives after a minute of
+    # idling. Learning that gap as a step would refuse it (one step > 500 ms).
+    now = [0.0]
+    sched = make_scheduler(policy="slo", slo_reject_late=True)
+    sched.clock = lambda: now[0]
+    model_calls = []
+
+    def tick(s):
+        model_calls.append(1)
+        now[0] += 0.01
+
+    first = make_request("first", 16, max_tokens=4, arrival=0.0)
+    first.ttft_ms = 500.0
+    sched.add_request(first)
+    run_to_completion(sched, check=tick)
+    now[0] += 60.0
+    second = make_request("second", 16, max_tokens=4, arrival=now[0])
+    second.ttft_ms = 500.0
+    sched.add_request(second)
+    run = run_to_completion(sched, check=tick)
+    assert run.finish_reasons == {"second": "length"}
+    assert sched._slo.step_s == pytest.approx(0.01)
