@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenbudget.proto import common_pb2 as tokenbudget_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenbudget/v1/generate.proto\x12\x0etokenbudget.v1\x1a\x1btokenbudget/v1/common.proto\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"I\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12,\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1b.tokenbudget.v1.ContentPart\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.tokenbudget.v1.ChatMessage\"\xb2\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.tokenbudget.v1.ChatMessagesH\x00\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.tokenbudget.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x42\x07\n\x05inputB\r\n\x0b_request_idB\r\n\x0b_cache_salt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.tokenbudget.v1.Usage\x12/\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xf0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12is_vision_language\x18\x06 \x01(\x08\x12\x0f\n\x07is_demo\x18\x07 \x01(\x08\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x13\n\x0bnum_workers\x18\x0b \x01(\x05\"\x11\n\x0fGetStatsRequest\"\xb0\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1b\n\x13\x65ncoder_cache_usage\x18\n \x01(\x01\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x03\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x32\xb7\x02\n\nGeneration\x12O\n\x08Generate\x12\x1f.tokenbudget.v1.GenerateRequest\x1a .tokenbudget.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tokenbudget.v1.AbortRequest\x1a\x1d.tokenbudget.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.tokenbudget.v1.GetModelInfoRequest\x1a\x19.tokenbudget.v1.ModelInfo\x12\x42\n\x08GetStats\x12\x1f.tokenbudget.v1.GetStatsRequest\x1a\x15.tokenbudget.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenbudget/v1/generate.proto\x12\x0etokenbudget.v1\x1a\x1btokenbudget/v1/common.proto\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"I\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12,\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1b.tokenbudget.v1.ContentPart\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.tokenbudget.v1.ChatMessage\"\x96\x03\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.tokenbudget.v1.ChatMessagesH\x00\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.tokenbudget.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x13\n\x06tenant\x18\t \x01(\tH\x03\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\n \x01(\x01H\x04\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x0b \x01(\x01H\x05\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\r\n\x0b_cache_saltB\t\n\x07_tenantB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.tokenbudget.v1.Usage\x12/\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xf0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12is_vision_language\x18\x06 \x01(\x08\x12\x0f\n\x07is_demo\x18\x07 \x01(\x08\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x13\n\x0bnum_workers\x18\x0b \x01(\x05\"\x11\n\x0fGetStatsRequest\"\xb0\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1b\n\x13\x65ncoder_cache_usage\x18\n \x01(\x01\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x03\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x32\xb7\x02\n\nGeneration\x12O\n\x08Generate\x12\x1f.tokenbudget.v1.GenerateRequest\x1a .tokenbudget.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tokenbudget.v1.AbortRequest\x1a\x1d.tokenbudget.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.tokenbudget.v1.GetModelInfoRequest\x1a\x19.tokenbudget.v1.ModelInfo\x12\x42\n\x08GetStats\x12\x1f.tokenbudget.v1.GetStatsRequest\x1a\x15.tokenbudget.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=209
   _globals['_CHATMESSAGES']._serialized_end=270
   _globals['_GENERATEREQUEST']._serialized_start=273
-  _globals['_GENERATEREQUEST']._serialized_end=579
-  _globals['_USAGE']._serialized_start=581
-  _globals['_USAGE']._serialized_end=661
-  _globals['_GENERATERESPONSE']._serialized_start=664
-  _globals['_GENERATERESPONSE']._serialized_end=979
-  _globals['_ABORTREQUEST']._serialized_start=981
-  _globals['_ABORTREQUEST']._serialized_end=1015
-  _globals['_ABORTRESPONSE']._serialized_start=1017
-  _globals['_ABORTRESPONSE']._serialized_end=1032
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1034
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1055
-  _globals['_MODELINFO']._serialized_start=1058
-  _globals['_MODELINFO']._serialized_end=1298
-  _globals['_GETSTATSREQUEST']._serialized_start=1300
-  _globals['_GETSTATSREQUEST']._serialized_end=1317
-  _globals['_STATS']._serialized_start=1320
-  _globals['_STATS']._serialized_end=1624
-  _globals['_GENERATION']._serialized_start=1627
-  _globals['_GENERATION']._serialized_end=1938
+  _globals['_GENERATEREQUEST']._serialized_end=679
+  _globals['_USAGE']._serialized_start=681
+  _globals['_USAGE']._serialized_end=761
+  _globals['_GENERATERESPONSE']._serialized_start=764
+  _globals['_GENERATERESPONSE']._serialized_end=1079
+  _globals['_ABORTREQUEST']._serialized_start=1081
+  _globals['_ABORTREQUEST']._serialized_end=1115
+  _globals['_ABORTRESPONSE']._serialized_start=1117
+  _globals['_ABORTRESPONSE']._serialized_end=1132
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1134
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1155
+  _globals['_MODELINFO']._serialized_start=1158
+  _globals['_MODELINFO']._serialized_end=1398
+  _globals['_GETSTATSREQUEST']._serialized_start=1400
+  _globals['_GETSTATSREQUEST']._serialized_end=1417
+  _globals['_STATS']._serialized_start=1420
+  _globals['_STATS']._serialized_end=1724
+  _globals['_GENERATION']._serialized_start=1727
+  _globals['_GENERATION']._serialized_end=2038
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,7 @@ import sys
 from importlib import metadata
 from typing import NoReturn
 
+from tokenbudget.core.config import POLICIES
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 from tokenbudget.server.engine_args import DEFAULT_MAX_MODEL_LEN, KV_CACHE_DTYPES
 
@@ -140,10 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{DEFAULT_MAX_MODEL_LEN}, or its sliding window)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap one request's prefill chunk per step; 0 = no cap (default)")
-    g.add_argument("--policy", "--scheduling-policy", default="fcfs",
-                   choices=["fcfs", "priority", "lpm", "dfs-weight", "lof", "random"],
+    g.add_argument("--policy", "--scheduling-policy", default="fcfs", choices=POLICIES,
                    help="waiting-queue order (default %(default)s; --scheduling-policy is "
-                   "vLLM's name, which has fcfs and priority)")
+                   "vLLM's name, which has fcfs and priority; slo orders by the requests' "
+                   "TTFT deadlines)")
     g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
                    default=True, help="schedule step N+1 while step N runs (the default)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -190,6 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="...and sharing at least this many tokens with one chosen earlier in "
                    "the round (default %(default)s)")
     g.add_argument("--random-seed", type=int, default=0, help="seed of --policy random")
+    g.add_argument("--slo-reject-late", action="store_true",
+                   help="--policy slo: refuse (finish \"abort\") a waiting request that cannot "
+                   "get its first token by its ttft_ms deadline, instead of letting it wait "
+                   "behind the ones that can")
+    g.add_argument("--slo-step-time-ms", type=float, default=0.0,
+                   help="--policy slo: step time for the deadline estimates; 0 learns it from "
+                   "the steps (default)")
+    g.add_argument("--fair-share", action="store_true",
+                   help="share the token budget between tenants (GenerateRequest.tenant) by "
+                   "weight, so one tenant's flood cannot starve another (not with "
+                   "--policy priority)")
+    g.add_argument("--tenant-weights", type=_tenant_weights, default=None, metavar="JSON",
+                   help='--fair-share weights, e.g. \'{"gold": 4, "free": 1}\' (a tenant not '
+                   "listed weighs 1)")
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block "
@@ -214,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory for weights + activations + KV "
                    "(default %(default)s)")
     return p
+
+
+def _tenant_weights(text: str) -> dict[str, float]:
+    """--tenant-weights: a JSON object of tenant -> weight."""
+    import json
+
+    try:
+        weights = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(weights, dict) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights.values()):
+        raise argparse.ArgumentTypeError('expected a JSON object of numbers, e.g. {"a": 2}')
+    return {str(k): float(w) for k, w in weights.items()}
 
 
 def engine_args_from(args: argparse.Namespace):

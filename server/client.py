@@ -63,7 +63,9 @@ class Client:
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                         request_id: str | None = None, priority: int = 0,
-                        cache_salt: str | None = None, timeout: float | None = None,
+                        cache_salt: str | None = None, tenant: str | None = None,
+                        ttft_ms: float | None = None, tpot_ms: float | None = None,
+                        timeout: float | None = None,
                         **sampling) -> Iterator[generate_pb2.GenerateResponse]:
         """Yield GenerateResponse messages (token_ids and text deltas; the last
         has finish_reason and usage). Breaking out of the loop cancels the
@@ -72,6 +74,7 @@ class Client:
         neither names."""
         request = make_request(prompt, sampling_params or SamplingParams(**sampling),
                                request_id=request_id, priority=priority, cache_salt=cache_salt,
+                               tenant=tenant, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
                                only=None if sampling_params is not None else sampling)
         call = self.stub.Generate(request, timeout=timeout)
         try:
@@ -123,7 +126,8 @@ class Client:
 
 def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
                  request_id: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None,
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 ttft_ms: float | None = None, tpot_ms: float | None = None,
                  only: Collection[str] | None = None) -> generate_pb2.GenerateRequest:
     """A GenerateRequest from a prompt: a string, a list of token ids,
     ``{"token_ids": [...]}``, ``{"text": ..., "images": [bytes]}`` or
@@ -133,8 +137,10 @@ def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
     msg = generate_pb2.GenerateRequest(priority=priority)
     if request_id is not None:
         msg.request_id = request_id
-    if cache_salt is not None:
-        msg.cache_salt = cache_salt
+    for name, value in (("cache_salt", cache_salt), ("tenant", tenant), ("ttft_ms", ttft_ms),
+                        ("tpot_ms", tpot_ms)):
+        if value is not None:
+            setattr(msg, name, value)
     convert.sampling_params_to_proto(sampling_params, msg.sampling_params)
     if only is not None:
         for f, _ in msg.sampling_params.ListFields():

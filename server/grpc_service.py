@@ -84,9 +84,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
         prompt = self._prompt(request)
-        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        # Optional fields: unset is None (the scheduler's "not given").
+        options = {name: getattr(request, name) for name in _OPTIONAL_REQUEST_FIELDS
+                   if request.HasField(name)}
         return rid, make_requests(self.engine, rid, prompt, params, priority=request.priority,
-                                  cache_salt=cache_salt)
+                                  **options)
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> dict:
         """The InputProcessor's prompt form for the request's input oneof."""
@@ -186,10 +188,15 @@ class AioGenerationServicer(GenerationServicer):
 _NO_STATS = "the engine did not answer in time"
 
 
-def make_requests(engine: AsyncEngine, request_id: str, prompt: dict, params: SamplingParams, *,
-                  priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+# GenerateRequest's optional fields that are Request keywords of the same name.
+_OPTIONAL_REQUEST_FIELDS = ("cache_salt", "tenant", "ttft_ms", "tpot_ms")
+
+
+def make_requests(engine: AsyncEngine, request_id: str, prompt: dict, params: SamplingParams,
+                  **request_options) -> list[Request]:
     """The engine Requests of one gRPC request (every gRPC front builds them
-    here): a structured-output spec is parsed first, then build_requests.
+    here): a structured-output spec is parsed first, then build_requests with
+    ``request_options`` (Request keywords: priority, cache_salt, tenant, ...).
     Raises ValueError naming the field."""
     if params.structured is not None:
         manager = engine.core.scheduler.structured_output_manager
@@ -201,8 +208,7 @@ def make_requests(engine: AsyncEngine, request_id: str, prompt: dict, params: Sa
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
     return build_requests(engine.input_processor, request_id, prompt, params,
-                          eos_token_ids=engine.eos_token_ids, priority=priority,
-                          cache_salt=cache_salt)
+                          eos_token_ids=engine.eos_token_ids, **request_options)
 
 
 def _not_live(request_id: str) -> str:

@@ -19,7 +19,7 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
 
 def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
                    params: SamplingParams, *, eos_token_ids: list[int] | None = None,
-                   priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+                   **request_options) -> list[Request]:
     """The Requests of ``params.n`` samples of ``prompt``, in sample order.
 
     Samples share the prompt's KV through the prefix cache: the first one to
@@ -27,7 +27,8 @@ def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
     (in the same step too: its blocks are registered when allocated, and a
     step writes every token's KV before attending). Sample i draws from seed
     ``seed + i``, so each is reproducible on its own. Prompt logprobs are
-    computed by sample 0 only.
+    computed by sample 0 only. ``request_options`` are Request's own keywords
+    (priority, cache_salt, tenant, ttft_ms, tpot_ms), the same for every sample.
     """
     try:
         params = processor.check_params(params)
@@ -46,5 +47,5 @@ def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
         for i in range(n)]
     return [Request(sample_request_id(request_id, i, n), token_ids, p, eos_token_id=eos,
-                    priority=priority, mm_features=features, cache_salt=cache_salt)
+                    mm_features=features, **request_options)
             for i, p in enumerate(samples)]

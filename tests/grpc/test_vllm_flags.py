@@ -34,6 +34,12 @@ SETTINGS = [
     (["--enable-log-requests"], lambda s: s.metrics.stats_logger.request_level == logging.INFO),
     (["--log-level", "critical"], lambda s: logging.getLogger("tokenbudget").level
      == logging.CRITICAL),
+    # Our own scheduling flags for the SLO and fair-share policies (issue 15).
+    (["--policy", "slo", "--slo-reject-late", "--slo-step-time-ms", "12.5"],
+     lambda s: (s.sched.policy, s.sched.slo_reject_late, s.sched.slo_step_time_ms)
+     == ("slo", True, 12.5)),
+    (["--fair-share", "--tenant-weights", '{"gold": 4, "free": 1}'],
+     lambda s: s.sched.fair_share and s.sched.tenant_weights == {"gold": 4.0, "free": 1.0}),
 ]
 
 # Flags refused before anything loads: (argv, the reason's words).
@@ -163,3 +169,19 @@ def test_kv_cache_dtype_other_than_the_models_is_refused_at_load(tiny_model):
     with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' is not supported: the KV "
                                          r"cache is kept in the model's dtype \(float32\)"):
         cli.build_engine(ns)
+
+
+def test_tenant_and_slo_targets_reach_every_sample_request(flagged_engine):
+    from tokenbudget.core import SamplingParams
+    from tokenbudget.server.client import make_request
+
+    servicer = GenerationServicer(flagged_engine[0])
+    msg = make_request("hi", SamplingParams(max_tokens=2, n=2), tenant="gold", ttft_ms=250.0,
+                       tpot_ms=40.0, cache_salt="s")
+    _, requests = servicer._make_requests(msg)
+    assert [(r.tenant, r.ttft_ms, r.tpot_ms, r.cache_salt) for r in requests] == \
+        [("gold", 250.0, 40.0, "s")] * 2
+    unset = servicer._make_requests(make_request("hi", SamplingParams()))[1][0]
+    assert (unset.tenant, unset.ttft_ms, unset.tpot_ms, unset.cache_salt) == (None,) * 4
+    with pytest.raises(ValueError, match="ttft_ms must be > 0, got -1.0"):
+        servicer._make_requests(make_request("hi", SamplingParams(), ttft_ms=-1.0))
