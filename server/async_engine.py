@@ -201,8 +201,14 @@ class AsyncEngine:
                  eos_token_ids: list[int] | None = None, is_vision_language: bool = False,
                  is_demo: bool = False, num_remote_workers: int = 0,
                  served_model_name: str | None = None,
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+                 sampling_defaults: dict[str, Any] | None = None,
+                 trace_recorder: Any | None = None) -> None:
+        """``trace_recorder``: a worker.simulator.traces.TraceRecorder that sees
+        every accepted request and its output length (no text), for replay."""
         self.core = core
+        self.trace_recorder = trace_recorder
+        # Engine request id -> its Request, while recorded and live.
+        self._recorded: dict[str, Request] = {}
         self.input_processor = input_processor
         self.metrics = metrics
         self.model_name = model_name  # the path or hub id it was loaded from
@@ -372,6 +378,9 @@ class AsyncEngine:
             for request in requests:
                 self.core.add_request(request)
                 added.append(request.request_id)
+                if self.trace_recorder is not None:
+                    self.trace_recorder.on_add(request)
+                    self._recorded[request.request_id] = request
         except ValueError as exc:
             self.core.abort_requests(added)
             for rid in stream.samples:
@@ -385,6 +394,8 @@ class AsyncEngine:
         live = [rid for rid in stream.samples if self._close(rid) is not None]
         self.core.abort_requests(live)
         for rid in live:
+            self._recorded.pop(rid, None)  # an aborted request has no output length
+        for rid in live:
             stream.put(RequestOutput(rid, [], "abort"))
 
     def _finish_stopped(self, rid: str) -> None:
@@ -396,6 +407,9 @@ class AsyncEngine:
         stream = self._close(rid)
         if stream is None:
             return False
+        recorded = self._recorded.pop(rid, None)
+        if recorded is not None:
+            self.trace_recorder.on_finish(rid, recorded.num_output_tokens)
         if self.metrics is not None and stream.request_id not in self._groups:
             # The request's last sample.
             self.metrics.observe_finished(stream.timing, now, request_id=stream.request_id,

@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--host (default: off)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight (default %(default)s)")
+    g.add_argument("--record-trace", metavar="PATH", default=None,
+                   help="record every finished request's arrival time, prompt and output "
+                   "lengths, tenant, SLO targets and prompt block hashes (no text, no token "
+                   "ids) and write them to PATH at exit, for `python -m "
+                   "tokenbudget.worker.simulator` to replay")
     g.add_argument("--gil-switch-interval-ms", type=float, default=1.0,
                    help="how long a Python thread may hold the GIL while another waits "
                    "(default %(default)s; CPython's own is 5). The engine thread must send the "
@@ -304,7 +309,16 @@ def build_engine(args: argparse.Namespace, metrics=None):
                        served_model_name=args.served_model_name,
                        sampling_defaults=defaults.sampling, eos_token_ids=defaults.eos_token_ids,
                        is_vision_language=getattr(config, "vision_config", None) is not None,
-                       is_demo=is_demo, num_remote_workers=len(args.worker))
+                       is_demo=is_demo, num_remote_workers=len(args.worker),
+                       trace_recorder=_trace_recorder(args, cache_config.block_size))
+
+
+def _trace_recorder(args: argparse.Namespace, block_size: int):
+    if not args.record_trace:
+        return None
+    from tokenbudget.worker.simulator.traces import TraceRecorder
+
+    return TraceRecorder(block_size)
 
 
 def _make_executor(args: argparse.Namespace, model: str):
@@ -396,6 +410,10 @@ async def _serve(args: argparse.Namespace, engine) -> int:
         logger.warning("drain timeout: aborting %d requests", engine.num_requests)
     await loop.run_in_executor(None, engine.shutdown)
     await server.stop(grace=2)
+    if engine.trace_recorder is not None:
+        engine.trace_recorder.save(args.record_trace)
+        logger.info("trace of %d requests written to %s",
+                    len(engine.trace_recorder.requests), args.record_trace)
     logger.info("stopped")
     return 0
 

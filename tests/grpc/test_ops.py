@@ -95,6 +95,7 @@ class Ops:
     worker: Process   # --log-level warning, initialized with the tiny model
     metrics_port: int
     model: str
+    trace_path: Path  # --record-trace: written when the server exits
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,8 @@ def ops(tiny_model, tmp_path_factory) -> Ops:
     procs = [
         start([str(BIN / "server"), "--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
                "--torch-threads", "1", "--num-gpu-blocks", "64", "--metrics-port",
-               str(metrics_port), "--log-level", "debug", "--log-stats-interval", "0.2"],
+               str(metrics_port), "--log-level", "debug", "--log-stats-interval", "0.2",
+               "--record-trace", str(logs / "trace.jsonl")],
               logs / "server.log"),
         start([sys.executable, "-m", "tokenbudget.worker", "--host", "127.0.0.1", "--port", "0",
                "--threads", "1", "--log-level", "warning"], logs / "worker.log"),
@@ -121,7 +123,7 @@ def ops(tiny_model, tmp_path_factory) -> Ops:
                                  request)
         with grpc.insecure_channel(worker.address) as ch:
             worker_pb2_grpc.WorkerStub(ch).Initialize(request, timeout=START_TIMEOUT)
-        yield Ops(server, worker, metrics_port, tiny_model)
+        yield Ops(server, worker, metrics_port, tiny_model, logs / "trace.jsonl")
     finally:
         for p in procs:
             if p.proc.poll() is None:
@@ -246,6 +248,24 @@ def test_server_and_worker_exit_0_on_sigterm_without_leaked_lines(ops):
         rc = p.proc.wait(EXIT_TIMEOUT)
         assert rc == 0, p.log
         assert not any(x in p.log for x in UNCLEAN), p.log
+
+
+def test_the_server_wrote_its_trace_at_exit_lengths_and_hashes_without_text(ops):
+    """--record-trace: after the SIGTERM above, every finished request of this
+    module is in the file (the debug test's three "Hello there" ones included),
+    with lengths but no text and no token ids; the simulator can load it."""
+    from transformers import AutoTokenizer
+
+    from tokenbudget.worker.simulator.traces import load_trace
+
+    assert ops.server.proc.poll() is not None, "runs after the SIGTERM test"
+    trace, block_size = load_trace(ops.trace_path)
+    hello = len(AutoTokenizer.from_pretrained(ops.model).encode("Hello there"))
+    assert block_size == 16
+    assert sum(1 for r in trace if (r.prompt_len, r.output_len) == (hello, 8)) >= 3
+    assert all(r.prompt_len > 0 and r.output_len > 0 for r in trace)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    assert "Hello" not in ops.trace_path.read_text()
 
 
 def test_configure_gc_leaves_no_leaked_lines_at_interpreter_exit():
