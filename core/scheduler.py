@@ -401,14 +401,7 @@ class Scheduler:
         head = self.waiting.peek()
         if head.status != RequestStatus.WAITING:
             return
-        hits, num_cached = kv.get_computed_blocks(head)
-        chunk = min(head.num_tokens - num_cached, cfg.max_num_batched_tokens)
-        if 0 < cfg.long_prefill_token_threshold < chunk:
-            chunk = cfg.long_prefill_token_threshold
-        need_blocks = -(-(num_cached + chunk) // kv.block_size) - len(hits)
-        need_blocks += sum(1 for b in hits if b.ref_cnt == 0)
-        free = kv.block_pool.get_num_free_blocks()
-        need_seq = len(self.running) >= cfg.max_num_seqs
+        need_blocks, free, need_seq = self._head_needs(head)
         if free >= need_blocks and not need_seq:
             return
         bar = sign * head.priority + cfg.priority_preemption_threshold
@@ -430,6 +423,21 @@ class Scheduler:
         for r in victims:
             step.preempted.remove(r)
 
+    def _head_needs(self, head: Request) -> tuple[int, int, bool]:
+        """What admitting ``head``'s first chunk takes: (blocks it needs,
+        blocks free now, whether every seat is taken)."""
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        hits, num_cached = kv.get_computed_blocks(head)
+        chunk = min(head.num_tokens - num_cached, cfg.max_num_batched_tokens)
+        if 0 < cfg.long_prefill_token_threshold < chunk:
+            chunk = cfg.long_prefill_token_threshold
+        need_blocks = -(-(num_cached + chunk) // kv.block_size) - len(hits)
+        # Hit blocks sitting in the free queue stop being free once touched.
+        need_blocks += sum(1 for b in hits if b.ref_cnt == 0)
+        return (need_blocks, kv.block_pool.get_num_free_blocks(),
+                len(self.running) >= cfg.max_num_seqs)
+
     def _preempt_for_fair_share(self, step: _Step) -> None:
         """A tenant below its share of the running seats whose next request
         cannot get a seat or its first chunk's blocks takes them from the
@@ -441,14 +449,7 @@ class Scheduler:
         head = self.waiting.peek()
         if head.status != RequestStatus.WAITING:
             return
-        hits, num_cached = kv.get_computed_blocks(head)
-        chunk = min(head.num_tokens - num_cached, cfg.max_num_batched_tokens)
-        if 0 < cfg.long_prefill_token_threshold < chunk:
-            chunk = cfg.long_prefill_token_threshold
-        need_blocks = -(-(num_cached + chunk) // kv.block_size) - len(hits)
-        need_blocks += sum(1 for b in hits if b.ref_cnt == 0)
-        free = kv.block_pool.get_num_free_blocks()
-        need_seat = len(self.running) >= cfg.max_num_seqs
+        need_blocks, free, need_seat = self._head_needs(head)
         if free >= need_blocks and not need_seat:
             return
         seats = self._fair.seats(self.running, head.tenant, cfg.max_num_seqs)
