@@ -40,5 +40,22 @@ def _serving(engine):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory) -> str:
+    """The tiny random Qwen3 checkpoint (with its trained tokenizer), built once."""
+    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_qwen3_path):
+    """The transformers oracle for tiny_qwen3_path."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="session")
 def serving():
     return _serving

@@ -36,19 +36,3 @@ def assert_matches_distribution():
         assert stat < CHI2_CRITICAL_P001[df], (
             f"chi-square {stat:.2f} >= {CHI2_CRITICAL_P001[df]} (df={df})")
     return check
-
-
-# The tiny model and its transformers oracle, as in tests/worker (fixtures do not cross folders).
-@pytest.fixture(scope="session")
-def tiny_qwen3_path(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
-
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
-
-
-@pytest.fixture(scope="session")
-def hf_model(tiny_qwen3_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()

@@ -6,24 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_qwen3
+from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS
 from tokenbudget.worker.tiny_vl_models import random_png
 
 # Mixed prompt lengths: short, a block boundary (16), long ones that chunk.
 PROMPT_LENS = (3, 7, 16, 33, 64, 100, 180, 300)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_path(tmp_path_factory) -> str:
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
-
-
-@pytest.fixture(scope="session")
-def hf_model(tiny_qwen3_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()
 
 
 @pytest.fixture(scope="session")
