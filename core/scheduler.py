@@ -340,7 +340,7 @@ class Scheduler:
             if reserve is not None:
                 reserved += reserve.future_tokens(req) / kv.block_size
             waiting.pop()
-            kv.record_prefix_lookup(req.num_tokens, num_cached)
+            kv.record_prefix_lookup(req, num_cached)
             self.running.append(req)
             if req.status == RequestStatus.PREEMPTED:
                 step.cached_reqs.append(req)

@@ -2,6 +2,9 @@
 
 A freed block keeps its hash and stays findable (a prefix-cache hit can
 revive it) until it is popped from the free queue for reuse: eviction is lazy.
+Freed blocks without a hash (a partial last block, or caching off) go to the
+head of the queue, so they are reused before any cached block is evicted:
+the queue is always the hash-less blocks, then the cached ones in LRU order.
 """
 from __future__ import annotations
 
@@ -50,6 +53,14 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self.num_free += 1
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
@@ -110,13 +121,17 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the free queue
-        in the given order (evicted first = first given)."""
-        append = self.free_queue.append
+        """Drop one reference each; cached blocks reaching zero join the tail
+        of the free queue in the given order (evicted first = first given),
+        hash-less ones its head (reused first: they hold nothing to hit)."""
+        queue = self.free_queue
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if not self.enable_caching or block.block_hash is not None:
@@ -156,3 +171,7 @@ class BlockPool:
         assert referenced + len(free) == self.num_blocks - 1, "blocks leaked"
         for h, block in self.cached.items():
             assert block.block_hash == h, f"{block} cached under a stale hash"
+        first_cached = next((i for i, b in enumerate(free) if b.block_hash is not None),
+                            len(free))
+        assert all(b.block_hash is not None for b in free[first_cached:]), \
+            "a hash-less free block sits behind a cached one (it would evict a hit)"

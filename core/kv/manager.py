@@ -42,10 +42,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counted once per admission, not per lookup: a request blocked at the
-        head of the queue is looked up every step."""
-        self.prefix_queries += num_tokens
+        head of the queue is looked up every step. Nothing is looked up (or
+        counted) with caching off, or for a request that skips the cache."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return
+        self.prefix_queries += request.num_tokens
         self.prefix_hits += num_hit_tokens
 
     def num_cached_prefix_blocks(self, request: Request) -> int:

@@ -92,19 +92,22 @@ def test_freed_blocks_are_evicted_lru_first_and_chain_tail_before_head(
     assert so.scheduled_new_reqs[0].block_ids == [1, 2, 3]
     run_to_completion(s)
     pool = s.kv_cache_manager.block_pool
-    # Freed tail first: the partial block 3, then 2, then the chain head 1.
-    assert [b.block_id for b in pool.free_queue] == [4, 3, 2, 1]
+    # Freed tail first: the partial (hash-less) block 3 goes to the head, ahead
+    # of the never-used 4; then the cached 2 and the chain head 1, LRU order.
+    assert [b.block_id for b in pool.free_queue] == [3, 4, 2, 1]
 
     s.add_request(make_request("other", _prompt(17, start=500), max_tokens=1))
     so, _ = step(s)
-    assert so.scheduled_new_reqs[0].block_ids == [4, 3]  # the unhashed ones go first
+    assert so.scheduled_new_reqs[0].block_ids == [3, 4]  # the unhashed ones go first
     run_to_completion(s)
-    assert [b.block_id for b in pool.free_queue] == [2, 1, 3, 4]
+    # "other"'s partial block 4 is hash-less (head), its full block 3 cached (tail).
+    assert [b.block_id for b in pool.free_queue] == [4, 2, 1, 3]
 
-    s.add_request(make_request("third", _prompt(10, start=700), max_tokens=1))
+    s.add_request(make_request("third", _prompt(20, start=700), max_tokens=1))
     so, _ = step(s)
-    # Least recently freed is block 2: the tail of "chain" is evicted, its head stays.
-    assert so.scheduled_new_reqs[0].block_ids == [2]
+    # The hash-less 4 first, then the least recently freed cached block, 2: the
+    # tail of "chain" is evicted, its head stays.
+    assert so.scheduled_new_reqs[0].block_ids == [4, 2]
     run_to_completion(s)
 
     again = make_request("chain_again", _prompt(40), max_tokens=1)
@@ -120,12 +123,14 @@ def test_block_pool_revives_a_cached_free_block_and_evicts_on_reuse():
     pool.cache_block(a, b"ha")
     pool.cache_block(b, b"hb")
     pool.free_blocks([b, a, c])
-    assert [x.block_id for x in pool.free_queue] == [2, 1, 3]
+    assert [x.block_id for x in pool.free_queue] == [3, 2, 1]  # hash-less c at the head
 
     pool.touch([pool.get_cached_block(b"ha")])  # a prefix hit takes it out of the queue
-    assert a.ref_cnt == 1 and [x.block_id for x in pool.free_queue] == [2, 3]
-    (reused,) = pool.get_new_blocks(1)
-    assert reused is b and pool.get_cached_block(b"hb") is None and b.block_hash is None
+    assert a.ref_cnt == 1 and [x.block_id for x in pool.free_queue] == [3, 2]
+    (first,) = pool.get_new_blocks(1)
+    assert first is c and pool.get_cached_block(b"hb") is b  # nothing evicted for c
+    (second,) = pool.get_new_blocks(1)
+    assert second is b and pool.get_cached_block(b"hb") is None and b.block_hash is None
     pool.check_invariants()
 
 
@@ -152,3 +157,41 @@ def test_prefix_caching_off_never_hits(make_scheduler, make_request, step, run_t
     s.add_request(b)
     step(s)
     assert b.num_cached_tokens == 0
+
+
+def test_freed_blocks_without_a_hash_are_reused_before_any_cached_block(make_request):
+    """vLLM's order: a freed partial (hash-less) block goes to the head of the free
+    queue, so the next allocation takes it instead of evicting a cached block."""
+    from tokenbudget.core.kv import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=7, block_size=4)  # 6 usable blocks
+    x = make_request("x", list(range(1, 9)))          # 2 full blocks
+    y = make_request("y", list(range(50, 64)))        # 3 full blocks + a partial one
+    for req in (x, y):
+        kv.hasher.update(req)
+        assert kv.allocate_slots(req, req.num_tokens) is not None
+    partial = kv.req_to_blocks["y"][-1]
+    assert partial.block_hash is None and len(kv.block_pool.cached) == 5
+    kv.free(x)
+    kv.free(y)
+    kv.block_pool.check_invariants()
+    z = make_request("z", [900])
+    [got] = kv.allocate_slots(z, 1)
+    assert got == partial.block_id
+    assert len(kv.block_pool.cached) == 5  # every cached block can still be hit
+
+
+def test_no_prefix_cache_query_is_counted_with_caching_off_or_for_a_request_that_skips_it(
+        make_scheduler, make_request, run_to_completion):
+    off = make_scheduler(block_size=16, enable_prefix_caching=False)
+    off.add_request(make_request("a", _prompt(40), max_tokens=2))
+    run_to_completion(off)
+    assert (off.make_stats().prefix_cache_queries, off.make_stats().prefix_cache_hits) == (0, 0)
+
+    on = make_scheduler(block_size=16)
+    on.add_request(make_request("lp", _prompt(40), max_tokens=2, prompt_logprobs=1))
+    run_to_completion(on)
+    assert on.make_stats().prefix_cache_queries == 0  # it never reads the cache
+    on.add_request(make_request("b", _prompt(40), max_tokens=2))
+    run_to_completion(on)
+    assert (on.make_stats().prefix_cache_queries, on.make_stats().prefix_cache_hits) == (40, 32)
