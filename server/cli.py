@@ -351,7 +351,6 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from tokenbudget.proto import worker_pb2
     from tokenbudget.server import sglang_service
     from tokenbudget.server.grpc_service import SERVICE_NAME, add_generation_servicer
     from tokenbudget.worker.grpc_worker import NO_PORT_REUSE, bind_port
@@ -371,9 +370,10 @@ async def _serve(args: argparse.Namespace, engine) -> int:
         server, engine, served_model_name=getattr(args, "served_model_name", None))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    _enable_reflection(server, (SERVICE_NAME,
-                                worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
-                                sglang_service.SERVICE_NAME, health.SERVICE_NAME))
+    # The worker's control plane (Initialize, Shutdown) is not served here and
+    # must not be advertised on the public port.
+    _enable_reflection(server, (SERVICE_NAME, sglang_service.SERVICE_NAME,
+                                health.SERVICE_NAME))
 
     async def set_health(status) -> None:
         for name in ("", SERVICE_NAME, sglang_service.SERVICE_NAME):

@@ -35,15 +35,16 @@ def _wait_all_blocks_free(client, timeout=5.0):
         time.sleep(0.05)
 
 
-def test_health_is_serving_and_reflection_lists_both_services(cluster):
+def test_health_is_serving_and_reflection_lists_the_public_services_only(cluster):
     with grpc.insecure_channel(cluster.local.address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in replies for s in r.list_services_response.service}
-    assert {"tokenbudget.v1.Generation", "tokenbudget.v1.Worker",
-            "grpc.health.v1.Health"} <= names
+    assert {"tokenbudget.v1.Generation", "grpc.health.v1.Health"} <= names
+    # The worker's control plane is not served on the public port, nor advertised.
+    assert "tokenbudget.v1.Worker" not in names
 
 
 def test_streamed_text_generation_equals_in_process_llm(client, oracle):
