@@ -177,7 +177,7 @@ def structured_to_proto(so: StructuredOutputParams, out: common_pb2.StructuredOu
 def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputParams:
     kind = msg.WhichOneof("kind")
     if kind is None:
-        raise ValueError("sampling_params.structured: set one of " + ", ".join(STRUCTURED_KINDS))
+        raise ValueError("structured: set one of " + ", ".join(STRUCTURED_KINDS))
     value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
     return StructuredOutputParams(**{kind: value})
 

@@ -47,6 +47,8 @@ BAD_FIELDS = {
     "logprobs > vocab": (_sp(logprobs=10**6), "sampling_params.logprobs"),
     "truncate_prompt_tokens 0": (_sp(truncate_prompt_tokens=0),
                                  "sampling_params.truncate_prompt_tokens"),
+    "structured with no kind": (_sp(structured=common_pb2.StructuredOutput()),
+                                "sampling_params.structured: set one of"),
 }
 
 
@@ -57,6 +59,7 @@ def test_bad_sampling_fields_are_invalid_argument_naming_the_field(client, name)
         list(client.stub.Generate(generate_pb2.GenerateRequest(text="hi", sampling_params=params)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
+    assert "sampling_params.sampling_params" not in err.value.details()  # named once
 
 
 def test_streamed_stop_strings_never_take_text_back(client, oracle):
