@@ -86,7 +86,9 @@ def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = Fals
             value = _bounded_strings_as_patterns(value)
             return xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=any_whitespace)
         if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            # OpenAI's json_object is an object at the top level, not any JSON value.
+            return xgr.Grammar.from_json_schema('{"type": "object"}',
+                                                any_whitespace=any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "grammar":

@@ -130,3 +130,15 @@ def test_compiled_grammars_are_cached_by_spec_in_a_bounded_lru(tokenizer, model_
     assert manager._compiled(specs[0]) is first
     assert len(manager._cache) == 2 and specs[1].key() not in manager._cache
     manager.shutdown()
+
+
+def test_json_object_is_an_object_not_any_json_value(manager):
+    # OpenAI's response_format json_object: a JSON object at the top level.
+    import xgrammar as xgr
+
+    compiled = manager.compile(SamplingParams(structured={"json_object": True}).structured)
+    verdicts = {}
+    for text in ('{"a": [1, 2], "b": {"c": null}}', "{}", "[1, 2]", '"text"', "42", "null"):
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        verdicts[text] = matcher.accept_string(text) and matcher.is_terminated()
+    assert verdicts == {text: isinstance(json.loads(text), dict) for text in verdicts}
