@@ -59,3 +59,63 @@ def hf_model(tiny_qwen3_path):
 @pytest.fixture(scope="session")
 def serving():
     return _serving
+
+
+class OverlapRecorder:
+    """An Executor wrapper that records, in order, each step sent
+    (``("send", n)``) and each step's result taken by the engine to apply it
+    (``("apply", n)``). A step sent while the step before it was still
+    unapplied is the overlap async scheduling promises."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.events: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # defers_grammar_bitmask and the like
+
+    def initialize(self, cache_config, scheduler_config) -> int:
+        return self.inner.initialize(cache_config, scheduler_config)
+
+    def execute_model(self, scheduler_output):
+        from concurrent.futures import Future
+
+        n = sum(1 for kind, _ in self.events if kind == "send")
+        self.events.append(("send", n))
+        inner = self.inner.execute_model(scheduler_output)
+        events = self.events
+
+        class Recorded(Future):
+            def result(self, timeout=None):
+                if ("apply", n) not in events:
+                    events.append(("apply", n))
+                return inner.result(timeout)
+
+            def cancel(self) -> bool:
+                return inner.cancel()
+
+            def done(self) -> bool:
+                return inner.done()
+
+        return Recorded()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    @property
+    def num_overlapped_steps(self) -> int:
+        """Steps sent before the result of the step sent just before them was applied."""
+        applied: set[int] = set()
+        overlapped = 0
+        for kind, n in self.events:
+            if kind == "apply":
+                applied.add(n)
+            elif n > 0 and n - 1 not in applied:
+                overlapped += 1
+        return overlapped
+
+
+@pytest.fixture(scope="session")
+def overlap_recorder():
+    """The OverlapRecorder class (wrap an executor: ``overlap_recorder(executor)``)."""
+    return OverlapRecorder

@@ -72,12 +72,17 @@ DEFAULT_SPECS = [(f"r{i}", 5 + 9 * i % 55, 5 + 7 * i % 21) for i in range(10)]
 
 
 def _run_engine(make_request, history_token, *, async_scheduling: bool, threaded: bool,
-                max_steps: int = 2000, specs=DEFAULT_SPECS, **config):
+                max_steps: int = 2000, specs=DEFAULT_SPECS, recorder=None, **config):
+    """Run ``specs`` to the end: (tokens, finish reasons, stats, the number of
+    steps sent before the previous step's result was applied; None without
+    ``recorder``, the conftest's OverlapRecorder)."""
     num_blocks = config.pop("num_blocks", 1000)
     cache_cfg = CacheConfig(block_size=config.pop("block_size", 4),
                             enable_prefix_caching=config.pop("enable_prefix_caching", True))
     sched_cfg = SchedulerConfig(async_scheduling=async_scheduling, **config)
     executor = FakeExecutor(num_blocks, history_token, threaded)
+    if recorder is not None:
+        executor = recorder(executor)
     engine = EngineCore(sched_cfg, cache_cfg, executor)
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -105,26 +110,33 @@ def _run_engine(make_request, history_token, *, async_scheduling: bool, threaded
     pool = engine.scheduler.kv_cache_manager.block_pool
     pool.check_invariants()
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
-    return tokens, reasons, engine.scheduler.make_stats()
+    overlaps = executor.num_overlapped_steps if recorder is not None else None
+    return tokens, reasons, engine.scheduler.make_stats(), overlaps
 
 
 PRESSURE = dict(block_size=4, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_async_scheduling_produces_the_tokens_of_sync_scheduling(make_request, history_token,
-                                                                 threaded):
-    sync_tokens, sync_reasons, sync_stats = _run_engine(
-        make_request, history_token, async_scheduling=False, threaded=False, **PRESSURE)
-    async_tokens, async_reasons, async_stats = _run_engine(
-        make_request, history_token, async_scheduling=True, threaded=threaded, **PRESSURE)
+def test_async_scheduling_overlaps_steps_and_produces_the_tokens_of_sync_scheduling(
+        make_request, history_token, overlap_recorder, threaded):
+    sync_tokens, sync_reasons, sync_stats, sync_overlaps = _run_engine(
+        make_request, history_token, async_scheduling=False, threaded=False,
+        recorder=overlap_recorder, **PRESSURE)
+    async_tokens, async_reasons, async_stats, async_overlaps = _run_engine(
+        make_request, history_token, async_scheduling=True, threaded=threaded,
+        recorder=overlap_recorder, **PRESSURE)
+
+    # The overlap itself: async sends step N+1 before applying step N's result.
+    assert sync_overlaps == 0
+    assert async_overlaps > len(sync_tokens)
 
     assert sync_stats.num_preemptions > 0 and async_stats.num_preemptions > 0
     assert async_tokens == sync_tokens
     assert async_reasons == sync_reasons
     assert len(sync_reasons) == len(DEFAULT_SPECS)
     # The oracle: an unpressured, unchunked sync run.
-    free_tokens, free_reasons, free_stats = _run_engine(
+    free_tokens, free_reasons, free_stats, _ = _run_engine(
         make_request, history_token, async_scheduling=False, threaded=False)
     assert free_stats.num_preemptions == 0
     assert (free_tokens, free_reasons) == (sync_tokens, sync_reasons)
@@ -172,9 +184,9 @@ def test_engine_tells_workers_about_an_abort_even_with_nothing_left_to_run(
        threshold=st.sampled_from([0, 0, 7]), caching=st.booleans(),
        specs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20)), min_size=1,
                       max_size=8))
-def test_async_matches_sync_on_random_workloads(make_request, history_token, block_size,
-                                                extra_blocks, budget, max_num_seqs, threshold,
-                                                caching, specs):
+def test_async_matches_sync_on_random_workloads(make_request, history_token, overlap_recorder,
+                                                block_size, extra_blocks, budget, max_num_seqs,
+                                                threshold, caching, specs):
     specs = [(f"r{i}", prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(specs)]
     # Room for the longest request alone, so every request can finish.
     longest = max(prompt + max_tokens for _, prompt, max_tokens in specs)
@@ -182,7 +194,8 @@ def test_async_matches_sync_on_random_workloads(make_request, history_token, blo
                   max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                   long_prefill_token_threshold=threshold, enable_prefix_caching=caching)
     sync = _run_engine(make_request, history_token, async_scheduling=False, threaded=False,
-                       specs=specs, **config)
+                       specs=specs, recorder=overlap_recorder, **config)
     async_ = _run_engine(make_request, history_token, async_scheduling=True, threaded=False,
-                         specs=specs, **config)
+                         specs=specs, recorder=overlap_recorder, **config)
     assert async_[:2] == sync[:2]
+    assert sync[3] == 0

@@ -167,34 +167,63 @@ def test_client_cancellation_frees_kv_within_a_step(client):
     _wait_all_blocks_free(client, timeout=2.0)
 
 
-def test_metrics_endpoint_counts_generated_tokens_and_latencies(cluster, client):
-    client.generate("metrics please", GREEDY)
+def _metrics(cluster) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics",
                                   timeout=10).read().decode()
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-              if line.startswith("tokenbudget:") and "{" in line}
-    assert values["tokenbudget:generation_tokens_total"] == client.stats().num_generated_tokens
-    assert values["tokenbudget:e2e_request_latency_seconds_count"] >= 1
-    assert values["tokenbudget:time_to_first_token_seconds_count"] >= 1
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prefix_cache_hit_rate", "num_preemptions_total",
-                 "time_per_output_token_seconds_count"):
-        assert f"tokenbudget:{name}" in values
+    return {line.split("{")[0].removeprefix("tokenbudget:"): float(line.rsplit(" ", 1)[1])
+            for line in body.splitlines() if line.startswith("tokenbudget:") and "{" in line}
 
 
-def test_metrics_gauges_drop_to_zero_when_the_engine_goes_idle(cluster, client):
-    client.generate("gauges please", GREEDY)
-    for _ in range(100):  # the engine thread observes right after its last step
-        body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics",
-                                      timeout=10).read().decode()
-        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-                  for line in body.splitlines() if line.startswith("tokenbudget:") and "{" in line}
-        if values["tokenbudget:num_requests_running"] == 0:
-            break
+def _metrics_when(cluster, ready, timeout: float = 10.0) -> dict[str, float]:
+    """The first scrape for which ``ready(values)`` holds (the engine thread
+    refreshes its gauges at most every 0.25 s)."""
+    deadline = time.monotonic() + timeout
+    while not ready(values := _metrics(cluster)):
+        assert time.monotonic() < deadline, f"metrics never got there: {values}"
         time.sleep(0.02)
-    assert values["tokenbudget:num_requests_running"] == 0
-    assert values["tokenbudget:num_requests_waiting"] == 0
-    assert values["tokenbudget:kv_cache_usage_perc"] == 0
+    return values
+
+
+def test_metrics_endpoint_counts_generated_tokens_prefix_cache_and_latencies(cluster, client):
+    _wait_all_blocks_free(client)
+    before = _metrics(cluster)
+    # A prompt no other test sends, twice: the first run queries its 50 tokens
+    # and hits nothing, the second hits its 3 full blocks (never the last token).
+    prompt = list(range(700, 750))
+    client.generate(prompt, GREEDY)
+    client.generate(prompt, GREEDY)
+    after = _metrics_when(cluster, lambda v: v["prefix_cache_queries_total"]
+                          >= before["prefix_cache_queries_total"] + 100)
+
+    def delta(name):
+        return after[name] - before[name]
+
+    assert delta("prefix_cache_queries_total") == 100
+    assert delta("prefix_cache_hits_total") == 48
+    assert after["prefix_cache_hit_rate"] == pytest.approx(
+        after["prefix_cache_hits_total"] / after["prefix_cache_queries_total"])
+    assert delta("generation_tokens_total") == 2 * GREEDY.max_tokens
+    assert after["generation_tokens_total"] == client.stats().num_generated_tokens
+    for name in ("e2e_request_latency_seconds_count", "time_to_first_token_seconds_count",
+                 "time_per_output_token_seconds_count"):
+        assert delta(name) == 2, name
+    assert delta("e2e_request_latency_seconds_sum") > 0
+    assert delta("num_preemptions_total") == 0
+
+
+def test_metrics_gauges_rise_while_a_request_runs_and_drop_to_zero_when_idle(cluster, client):
+    call, _ = _start_long(client, "gauges")
+    try:
+        # Written while the request runs (they start at 0: this is what makes
+        # the drop below mean anything).
+        busy = _metrics_when(cluster, lambda v: v["num_requests_running"] == 1)
+        assert busy["kv_cache_usage_perc"] > 0
+        assert busy["num_requests_waiting"] == 0
+    finally:
+        call.cancel()
+    idle = _metrics_when(cluster, lambda v: v["num_requests_running"] == 0)
+    assert idle["num_requests_waiting"] == 0
+    assert idle["kv_cache_usage_perc"] == 0
 
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(cluster):

@@ -24,6 +24,8 @@ def _workload() -> list[Request]:
 
 
 def _run(executor, async_scheduling: bool) -> tuple[dict[str, list[int]], int]:
+    """The workload's tokens and the number of preemptions. ``executor`` may
+    be an OverlapRecorder, which then holds the order of steps."""
     sched = SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=8, max_model_len=128,
                             async_scheduling=async_scheduling)
     core = EngineCore(sched, CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), executor)
@@ -53,23 +55,44 @@ def reference(tiny_model):
     return tokens
 
 
-def test_async_in_process_loop_gives_the_sync_tokens(tiny_model, reference):
+def test_async_in_process_loop_overlaps_steps_and_gives_the_sync_tokens(
+        tiny_model, reference, overlap_recorder):
+    import threading
+
     from tokenbudget.worker.executor import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
-    executor = InProcessExecutor(Worker(tiny_model, device="cpu"), async_mode=True)
+    worker = Worker(tiny_model, device="cpu")
+    forward_threads = set()
+    run_step = worker.execute_model
+
+    def execute_model(so):
+        forward_threads.add(threading.get_ident())
+        return run_step(so)
+
+    worker.execute_model = execute_model
+    executor = overlap_recorder(InProcessExecutor(worker, async_mode=True))
     assert _run(executor, True)[0] == reference
+    # Step N+1 was sent before step N's result was applied, and the forwards
+    # ran on the executor's thread, not the engine's.
+    assert executor.num_overlapped_steps > len(reference)
+    assert threading.get_ident() not in forward_threads
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_remote_worker_loops_give_the_in_process_sync_tokens(tiny_model, reference,
-                                                             async_scheduling):
+def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
+        tiny_model, reference, overlap_recorder, async_scheduling):
     from tokenbudget.worker.grpc_worker import serve
     from tokenbudget.worker.remote_executor import RemoteExecutor
 
     server, port, _ = serve("127.0.0.1", 0)
     try:
-        executor = RemoteExecutor([f"127.0.0.1:{port}"], tiny_model, device="cpu")
+        executor = overlap_recorder(
+            RemoteExecutor([f"127.0.0.1:{port}"], tiny_model, device="cpu"))
         assert _run(executor, async_scheduling)[0] == reference
     finally:
         server.stop(0)
+    if async_scheduling:  # step N+1 went down the stream before step N's reply was applied
+        assert executor.num_overlapped_steps > len(reference)
+    else:
+        assert executor.num_overlapped_steps == 0

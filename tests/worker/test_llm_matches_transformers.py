@@ -28,9 +28,13 @@ def make_llm(path, **kwargs) -> LLM:
     {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
 ], ids=["one-batch", "chunked-prefill", "async", "small-chunks-small-blocks"])
 def test_greedy_batch_equals_transformers_generate(tiny_qwen3_path, prompts, hf_greedy_16,
-                                                    engine_args):
+                                                    overlap_recorder, engine_args):
     llm = make_llm(tiny_qwen3_path, **engine_args)
+    recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate(token_prompts(prompts), GREEDY)
+    # Async sends step N+1 before applying step N's result; sync never does.
+    overlaps = recorder.num_overlapped_steps
+    assert overlaps >= 10 if engine_args.get("async_scheduling") else overlaps == 0
     assert [r.token_ids for r in results] == hf_greedy_16
     assert all(r.finish_reason == "length" for r in results)
     assert [r.prompt_token_ids for r in results] == prompts
