@@ -19,11 +19,14 @@ KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 PAGED_ATTENTION = "tokenbudget_paged"
 BACKENDS = ("auto", "sdpa", "flash_attn")
@@ -39,19 +42,57 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def flash_attn_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why flash-attn cannot be used on ``device`` in ``dtype``, or None when
+    it imports and one tiny causal varlen call matches SDPA. A package that is
+    merely installed is not enough: a build for another torch or CUDA fails at
+    import (undefined symbols) or at its first kernel launch."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:  # ImportError, OSError, or whatever a broken build raises
+        return f"flash_attn does not import ({type(exc).__name__}: {exc})"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(5, 2, 16, generator=gen).to(device, dtype) for _ in range(3))
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+        got = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3,
+                                     max_seqlen_k=3, causal=True)
+        want = torch.cat([F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1).float() for t in (q, k, v)), is_causal=True).transpose(0, 1)
+            for a, b in ((0, 2), (2, 5))])
+        if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
+            return "flash_attn's self-check gave a wrong result (a build for another GPU?)"
+    except Exception as exc:
+        return f"flash_attn's self-check failed ({type(exc).__name__}: {exc})"
+    return None
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention backend to run: ``auto`` picks flash-attn only on CUDA in
+    half precision when it imports and passes a tiny self-check
+    (flash_attn_problem), else SDPA with a warning saying why."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "sdpa":
+        return name
     # flash-attn kernels exist only for CUDA and half precision.
-    usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-              and flash_attn_available())
-    if name == "auto":
-        return "flash_attn" if usable else "sdpa"
-    if name == "flash_attn" and not usable:
-        raise ValueError("attention_backend='flash_attn' needs a CUDA device, dtype float16 or "
-                         "bfloat16 and the flash-attn package (pip install tokenbudget[gpu]); "
-                         "use 'sdpa' or 'auto'")
-    return name
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        if name == "auto":
+            return "sdpa"
+        raise ValueError("attention_backend='flash_attn' needs a CUDA device and dtype float16 "
+                         "or bfloat16; use 'sdpa' or 'auto'")
+    if not flash_attn_available():
+        if name == "auto":
+            return "sdpa"
+        raise ValueError("attention_backend='flash_attn' needs the flash-attn package (pip "
+                         "install tokenbudget[gpu]); use 'sdpa' or 'auto'")
+    problem = flash_attn_problem(device, dtype)
+    if problem is None:
+        return "flash_attn"
+    if name == "flash_attn":
+        raise ValueError(f"attention_backend='flash_attn': {problem}; use 'sdpa' or 'auto'")
+    logger.warning("attention: using SDPA, not flash-attn: %s", problem)
+    return "sdpa"
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
