@@ -9,7 +9,8 @@ POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "lof", "random", "slo")
 POLICY_OPTIONS = (
     "priority_descending", "lpm_fallback_queue_len", "cache_aware_window",
     "in_batch_prefix_check_threshold", "in_batch_prefix_deprioritize_threshold",
-    "aging_bound_s", "random_seed", "admission_reserve", "preemption_mode",
+    "aging_bound_s", "random_seed", "admission_reserve", "init_new_token_ratio",
+    "min_new_token_ratio", "new_token_ratio_decay", "reserve_clip_tokens", "preemption_mode",
     "priority_preemption_threshold", "max_queued_requests",
     "slo_reject_late", "slo_step_time_ms", "fair_share", "tenant_weights",
 )

@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's name, which has fcfs and priority; slo orders by the requests' "
                    "TTFT deadlines)")
     g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
-                   default=True, help="schedule step N+1 while step N runs (the default)")
+                   default=True, help="schedule step N+1 while step N runs (the default, for "
+                   "server and LLM alike: the same tokens, and the worker never waits for the "
+                   "scheduler)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="schedule step N+1 only after step N returned")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -160,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-partial-prefills", type=int, default=1,
                    help="prompts partially prefilled at once: 1, what the scheduler does "
                    "(other values are refused)")
+    g.add_argument("--encoder-compute-budget", type=int, default=8192,
+                   help="vision encoder embeddings computed per step (default %(default)s)")
+    g.add_argument("--encoder-cache-size", type=int, default=8192,
+                   help="vision encoder embeddings kept for requests that still need them "
+                   "(default %(default)s)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens per step for speculative decoding; 0 = off (default)")
 
     g = p.add_argument_group("scheduling policy (SGLang-style)")
     g.add_argument("--max-queued-requests", type=int, default=0,
@@ -180,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-admission-reserve", dest="admission_reserve", action="store_false",
                    help="admit on the KV blocks free now, reserving none for running "
                    "requests' expected output (the default for fcfs/priority)")
+    g.add_argument("--init-new-token-ratio", type=float, default=0.7,
+                   help="admission reserve: the fraction of running requests' remaining "
+                   "max_tokens reserved at first (default %(default)s)")
+    g.add_argument("--min-new-token-ratio", type=float, default=0.1,
+                   help="admission reserve: the floor the ratio decays to (default %(default)s)")
+    g.add_argument("--new-token-ratio-decay", type=float, default=0.001,
+                   help="admission reserve: decay of the ratio per step without preemption "
+                   "(default %(default)s)")
+    g.add_argument("--reserve-clip-tokens", type=int, default=4096,
+                   help="admission reserve: at most this many tokens reserved per running "
+                   "request (default %(default)s)")
     g.add_argument("--aging-bound-s", type=float, default=30.0,
                    help="lpm/dfs-weight: requests waiting longer than this go first, in arrival "
                    "order; 0 disables (default %(default)s)")
@@ -233,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + activations + KV "
                    "(default %(default)s)")
+    g.add_argument("--hash-algo", choices=["sha256", "xxhash"], default="sha256",
+                   help="prefix-cache block hash: sha256 (default, collision resistant) or "
+                   "xxhash (faster; pip install 'tokenbudget[fast-hash]')")
     return p
 
 

@@ -70,7 +70,14 @@ class EngineArgs:
     max_model_len: int | None = None       # default: the model's, at most 8192
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
-    async_scheduling: bool = False
+    # On for LLM and server alike: step N+1 is scheduled while step N runs
+    # (same tokens as off; the server measured it faster).
+    async_scheduling: bool = True
+    # Vision encoder budget per step and encoder cache size, in embeddings.
+    encoder_compute_budget: int = 8192
+    encoder_cache_size: int = 8192
+    # Draft tokens per step for speculative decoding (0: off).
+    num_speculative_tokens: int = 0
     grammar_compile_timeout_s: float = 30.0
     # The SGLang-style options of SchedulerConfig (core.config.POLICY_OPTIONS).
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +87,8 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Prefix-cache block hashes: "sha256" or "xxhash" (faster; the fast-hash extra).
+    hash_algo: str = "sha256"
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -173,6 +182,9 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
+            encoder_compute_budget=self.encoder_compute_budget,
+            encoder_cache_size=self.encoder_cache_size,
+            num_speculative_tokens=self.num_speculative_tokens,
             async_scheduling=self.async_scheduling, **self.policy_options)
 
     def cache_config(self) -> CacheConfig:
@@ -180,7 +192,7 @@ class EngineArgs:
             block_size=self.block_size, num_blocks=self.num_gpu_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=parse_memory_size(self.kv_cache_memory),
-            gpu_memory_utilization=self.gpu_memory_utilization)
+            gpu_memory_utilization=self.gpu_memory_utilization, hash_algo=self.hash_algo)
 
     def read_chat_template(self) -> str | None:
         return read_chat_template(self.chat_template)

@@ -164,7 +164,8 @@ def oracle(tiny_model):
     from tokenbudget.server.llm import LLM
 
     torch.set_num_threads(1)
-    llm = LLM(tiny_model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_gpu_blocks=512)
+    llm = LLM(tiny_model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_gpu_blocks=512,
+              async_scheduling=False)
     yield llm
     llm.shutdown()
 

@@ -18,6 +18,7 @@ def token_prompts(prompts):
 
 def make_llm(path, **kwargs) -> LLM:
     kwargs.setdefault("num_gpu_blocks", 256)
+    kwargs.setdefault("async_scheduling", False)  # the async case asks for it
     return LLM(path, dtype="float32", device="cpu", **kwargs)
 
 
