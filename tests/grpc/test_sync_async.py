@@ -96,3 +96,30 @@ def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
         assert executor.num_overlapped_steps > len(reference)
     else:
         assert executor.num_overlapped_steps == 0
+
+
+def test_two_remote_workers_run_every_step_in_lockstep_and_give_the_sync_tokens(
+        tiny_model, reference, overlap_recorder, monkeypatch):
+    from tokenbudget.worker.grpc_worker import serve
+    from tokenbudget.worker.remote_executor import RemoteExecutor
+    from tokenbudget.worker.worker import Worker
+
+    steps_run: dict[int, int] = {}  # worker (by id) -> steps it executed
+    run_step = Worker.execute_model
+
+    def execute_model(self, so):
+        steps_run[id(self)] = steps_run.get(id(self), 0) + 1
+        return run_step(self, so)
+
+    monkeypatch.setattr(Worker, "execute_model", execute_model)
+    servers = [serve("127.0.0.1", 0) for _ in range(2)]
+    try:
+        executor = overlap_recorder(RemoteExecutor(
+            [f"127.0.0.1:{port}" for _, port, _ in servers], tiny_model, device="cpu"))
+        assert _run(executor, True)[0] == reference
+    finally:
+        for server, _, _ in servers:
+            server.stop(0)
+    num_sent = sum(1 for kind, _ in executor.events if kind == "send")
+    assert list(steps_run.values()) == [num_sent, num_sent]
+    assert executor.num_overlapped_steps > len(reference)
