@@ -194,14 +194,57 @@ def test_admission_reserve_cuts_preemptions_at_similar_throughput(
     assert time_on <= 1.1 * time_off
 
 
-def test_reserve_is_off_by_default_for_fcfs_and_on_for_cache_aware_policies():
-    assert not SchedulerConfig(policy="fcfs").use_admission_reserve
-    assert not SchedulerConfig(policy="priority").use_admission_reserve
-    assert SchedulerConfig(policy="lpm").use_admission_reserve
-    assert SchedulerConfig(policy="fcfs", admission_reserve=True).use_admission_reserve
+def _admits_into_blocks_the_running_request_will_need(make_scheduler, make_request, step,
+                                                      **config) -> bool:
+    """One running request will grow by 40 tokens (10 blocks) into 14 free
+    blocks; a newcomer needs 8 of them now. Without a reserve it is admitted."""
+    sched = make_scheduler(block_size=4, num_blocks=17, **config)
+    sched.add_request(make_request("running", 8, max_tokens=40, ignore_eos=True))
+    step(sched)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 14
+    sched.add_request(make_request("new", 30, max_tokens=2))
+    so, _ = step(sched)
+    return "new" in so.num_scheduled_tokens
+
+
+def test_reserve_is_off_by_default_for_fcfs_and_on_for_cache_aware_policies(
+        make_scheduler, make_request, step):
+    def admits(**config):
+        return _admits_into_blocks_the_running_request_will_need(
+            make_scheduler, make_request, step, **config)
+
+    assert admits(policy="fcfs") and admits(policy="priority")  # vLLM: no reserve
+    assert not admits(policy="lpm") and not admits(policy="lof")
+    assert not admits(policy="fcfs", admission_reserve=True)
+    assert admits(policy="lpm", admission_reserve=False)
 
 
 # -- victims ------------------------------------------------------------------
+def _first_victim(make_scheduler, make_request, step, preemption_mode: str) -> set[str]:
+    """``a`` decodes alone for a while; then ``long`` (12-token prompt) and
+    ``short`` (4) are admitted in that order and generate in lockstep until
+    the 10 usable blocks run out."""
+    sched = make_scheduler(block_size=4, num_blocks=11, preemption_mode=preemption_mode)
+    sched.add_request(make_request("a", 4, max_tokens=60, ignore_eos=True))
+    for _ in range(4):
+        step(sched)
+    sched.add_request(make_request("long", 12, max_tokens=60, ignore_eos=True))
+    sched.add_request(make_request("short", 4, max_tokens=60, ignore_eos=True))
+    for _ in range(60):
+        so, _ = step(sched)
+        if so.preempted_req_ids:
+            return so.preempted_req_ids
+    raise AssertionError("memory never ran out")
+
+
+def test_retract_preempts_fewest_generated_then_longest_prompt_in_the_scheduler(
+        make_scheduler, make_request, step):
+    # long and short have generated as many tokens (fewer than a): the longer prompt goes.
+    assert _first_victim(make_scheduler, make_request, step, "retract") == {"long"}
+    # vLLM's order: the last admitted.
+    assert _first_victim(make_scheduler, make_request, step, "vllm") == {"short"}
+
+
 def test_retract_order_takes_fewest_generated_then_longest_prompt(make_request):
     pick = make_victim_picker(SchedulerConfig(preemption_mode="retract"))
     a = make_request("a", 32)
@@ -211,6 +254,7 @@ def test_retract_order_takes_fewest_generated_then_longest_prompt(make_request):
     b.append_output_token_ids([1] * 2)
     c.append_output_token_ids([1] * 2)
     assert pick([a, b, c]) is c
+    assert pick([c, b, a]) is c
     assert make_victim_picker(SchedulerConfig())([a, b, c]) is c  # vLLM: last admitted
     assert make_victim_picker(SchedulerConfig())([c, a, b]) is b
 

@@ -22,6 +22,7 @@ def test_64_streaming_clients_get_exactly_their_tokens_and_leave_every_block_fre
         [{"prompt_token_ids": p} for p in prompts], params)]
 
     failures: list[str] = []
+    completed: list[str] = []
     lock = threading.Lock()
 
     def client_loop(cid: int) -> None:
@@ -39,6 +40,8 @@ def test_64_streaming_clients_get_exactly_their_tokens_and_leave_every_block_fre
                     if tokens != want[k] or finished != 1:
                         raise AssertionError(f"{rid}: got {tokens} (finished {finished}), "
                                              f"want {want[k]}")
+                    with lock:
+                        completed.append(rid)
                 except Exception as e:  # noqa: BLE001 - collected and reported below
                     with lock:
                         failures.append(f"{rid}: {e}")
@@ -49,6 +52,9 @@ def test_64_streaming_clients_get_exactly_their_tokens_and_leave_every_block_fre
     for t in threads:
         t.join(300)
     assert not failures, failures[:5]
+    # Every client finished (a hung or silently dead thread is a failure too).
+    assert not [t for t in threads if t.is_alive()]
+    assert len(completed) == NUM_CLIENTS * REQUESTS_PER_CLIENT
     with Client(cluster.local.address) as c:
         s = c.stats()
     assert s.num_requests == 0 and s.num_running == 0 and s.num_waiting == 0

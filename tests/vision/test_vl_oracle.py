@@ -160,8 +160,20 @@ def test_chunked_prefill_and_decode_match_generate(vl, prompt):
     torch.testing.assert_close(torch.cat(decode_logits), stock, rtol=1e-4, atol=1e-5)
 
 
-def test_hf_generate_vl_loads_from_the_folder(vl, two_image_chat):
-    got = hf_generate_vl(vl.path, two_image_chat, 4, ignore_eos=True)
+def test_engine_loaded_from_the_folder_gives_hf_generate_vl_tokens(vl, two_image_chat):
+    from tokenbudget.core import SamplingParams
+    from tokenbudget.server import LLM
+
+    want = hf_generate_vl(vl.path, two_image_chat, 4, ignore_eos=True)
     ids, features = vl.processor.process_messages(two_image_chat)
-    assert len(got) == 4
-    assert got == hf_generate_vl_ids(vl.model, ids, features, 4, ignore_eos=True)
+    assert want == hf_generate_vl_ids(vl.model, ids, features, 4, ignore_eos=True)
+    # The engine, loading the same folder, runs the images through its own
+    # vision path and paged attention: it must give the oracle's tokens.
+    llm = LLM(vl.path, dtype="float32", device="cpu", num_gpu_blocks=64)
+    try:
+        got = llm.generate([{"messages": two_image_chat}],
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        llm.shutdown()
+    assert got.prompt_token_ids == ids
+    assert got.token_ids == want
