@@ -416,9 +416,13 @@ class Scheduler:
             free += sum(1 for b in kv.req_to_blocks.get(r.request_id, ()) if b.ref_cnt == 1)
         if free < need_blocks or (need_seq and not victims):
             return
+        self._displace(victims, step)
+
+    def _displace(self, victims: list[Request], step: _Step) -> None:
+        """Preempt ``victims`` for a waiting request. Displacing (for priority
+        or a fair share) is not a memory shortage: admission goes ahead."""
         for r in victims:
             self._preempt(r, step)
-        # Displacing is not a memory shortage: admission goes ahead.
         step.displaced.extend(victims)
         for r in victims:
             step.preempted.remove(r)
@@ -466,12 +470,7 @@ class Scheduler:
             free += sum(1 for b in kv.req_to_blocks.get(r.request_id, ()) if b.ref_cnt == 1)
         if free < need_blocks or (need_seat and not victims):
             return
-        for r in victims:
-            self._preempt(r, step)
-        # Taking back a share is not a memory shortage: admission goes ahead.
-        step.displaced.extend(victims)
-        for r in victims:
-            step.preempted.remove(r)
+        self._displace(victims, step)
 
     def _preempt(self, req: Request, step: _Step) -> int:
         """Send ``req`` back to the head of WAITING, recomputing from scratch
