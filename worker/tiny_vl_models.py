@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen2.5-VL and Qwen3-VL checkpoints for tests and demos.
+"""Tiny random-init Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints for tests and demos.
 
 Each builder writes a folder that loads through the real path
 (``AutoModelForImageTextToText.from_pretrained`` / ``AutoTokenizer`` /
@@ -13,6 +13,30 @@ from pathlib import Path
 _MAX_MERGED_TOKENS = 16
 _MIN_MERGED_TOKENS = 4
 _MERGE = 2
+
+
+def build_tiny_qwen2_vl(path: str | Path, *, seed: int = 0) -> str:
+    """Write a tiny Qwen2-VL (2 text layers, vision depth 2 with full attention
+    in every block) to ``path`` and return it."""
+    from transformers import Qwen2VLConfig
+
+    def make_config(ids: dict[str, int]) -> Qwen2VLConfig:
+        text = dict(
+            vocab_size=ids["vocab_size"], hidden_size=128, intermediate_size=256,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                             "mrope_section": [4, 6, 6]},
+            bos_token_id=None, eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        )
+        # Qwen2-VL's tower names its width embed_dim; hidden_size is its output
+        # (the text model's width).
+        vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=128,
+                      patch_size=14, spatial_merge_size=_MERGE, temporal_patch_size=2)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **_vision_token_ids(ids))
+
+    return _build(Path(path), make_config, patch_size=14, image_mean=_CLIP_MEAN,
+                  image_std=_CLIP_STD, seed=seed)
 
 
 def build_tiny_qwen2_5_vl(path: str | Path, *, seed: int = 0) -> str:

@@ -1,4 +1,4 @@
-"""Shared fixtures: the two tiny VL checkpoints (built once per session),
+"""Shared fixtures: the three tiny VL checkpoints (built once per session),
 their loaded models and processors, and small test images."""
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def _load(name: str, path: str) -> VL:
 
 
 @pytest.fixture(scope="session")
+def qwen2_vl(tmp_path_factory) -> VL:
+    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_vl
+
+    return _load("qwen2_vl", build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl")))
+
+
+@pytest.fixture(scope="session")
 def qwen2_5_vl(tmp_path_factory) -> VL:
     from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
 
@@ -43,7 +50,7 @@ def qwen3_vl(tmp_path_factory) -> VL:
     return _load("qwen3_vl", build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl")))
 
 
-@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def vl(request) -> VL:
     return request.getfixturevalue(request.param)
 
