@@ -1,8 +1,12 @@
-"""KV cache sizing on CPU: kv_cache_memory (``--kv-cache-memory``) buys
-exactly as many blocks as fit, computed here from the checkpoint's config."""
+"""KV cache sizing. On CPU: kv_cache_memory (``--kv-cache-memory``) buys
+exactly as many blocks as fit, computed here from the checkpoint's config.
+On a GPU, checked here with a faked device: after a profile forward of a full
+token budget, the cache gets ``total * gpu_memory_utilization - peak`` bytes
+(``torch.cuda``'s memory queries are faked; the forward runs for real)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from tokenbudget.core import CacheConfig, SchedulerConfig
@@ -49,3 +53,65 @@ def test_a_kv_cache_memory_too_small_for_two_blocks_is_refused(tiny_qwen3_path):
     # cannot hold one max_model_len request is not refused yet (issue 16).
     assert runner.initialize_kv_cache(CacheConfig(kv_cache_memory_bytes=2 * per_block),
                                       SchedulerConfig(max_model_len=4096)) == 2
+
+
+GiB = 1 << 30
+
+
+class FakeCudaMemory:
+    """The torch.cuda calls the profile makes, recording their order."""
+
+    def __init__(self, total: int, peak: int) -> None:
+        self.total, self.peak = total, peak
+        self.events: list[str] = []
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "mem_get_info",
+                            lambda device=None: (self.total - self.peak, self.total))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", self._max_allocated)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                            lambda device=None: self.events.append("reset"))
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def _max_allocated(self, device=None) -> int:
+        self.events.append("peak")
+        return self.peak
+
+
+@pytest.fixture
+def runner(tiny_qwen3_path) -> ModelRunner:
+    runner = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu")
+    forward = runner.model.forward
+
+    def recording_forward(*args, **kwargs):
+        runner.profiled_shapes.append(tuple(kwargs["input_ids"].shape))
+        fake.events.append("forward")
+        return forward(*args, **kwargs)
+
+    fake = FakeCudaMemory(total=80 * GiB, peak=3 * GiB)
+    runner.fake_cuda = fake
+    runner.profiled_shapes = []
+    runner.model.forward = recording_forward
+    return runner
+
+
+@pytest.mark.parametrize("budget,max_model_len", [(512, 4096), (8192, 300)])
+def test_profile_runs_a_full_budget_forward_then_leaves_the_rest_for_kv(
+        runner, monkeypatch, budget, max_model_len):
+    runner.fake_cuda.install(monkeypatch)
+    free = runner._profile_free_memory(
+        CacheConfig(gpu_memory_utilization=0.9),
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_model_len))
+    assert free == int(80 * GiB * 0.9) - 3 * GiB
+    # One forward of the step's largest token count (capped by max_model_len),
+    # with the peak reset before it and read after it.
+    assert runner.profiled_shapes == [(1, min(budget, max_model_len))]
+    assert runner.fake_cuda.events == ["reset", "forward", "peak"]
+
+
+def test_a_peak_above_the_utilisation_share_leaves_nothing(runner, monkeypatch):
+    runner.fake_cuda.peak = 79 * GiB
+    runner.fake_cuda.install(monkeypatch)
+    assert runner._profile_free_memory(CacheConfig(gpu_memory_utilization=0.9),
+                                       SchedulerConfig(max_num_batched_tokens=64)) == 0
