@@ -22,6 +22,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_id: int | None = None
+    # The EOS id that stops it (None with ignore_eos): min_tokens masks it.
+    eos_token_id: int | None = None
 
 
 @dataclass(slots=True)

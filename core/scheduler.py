@@ -539,7 +539,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         new_reqs = [
             NewRequestData(r.request_id, r.prompt_token_ids, r.mm_features, r.sampling_params,
-                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id)
+                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id,
+                           None if r.sampling_params.ignore_eos else r.eos_token_id)
             for r in step.new_reqs]
         cached = CachedRequestData()
         for r in step.cached_reqs:

@@ -581,7 +581,8 @@ class SchedulerOutputDecoder:
             req_id=m.req_id, prompt_token_ids=_i32_list(m.prompt_token_ids),
             mm_features=features, sampling_params=sampling_params_from_proto(m.sampling_params),
             block_ids=_i32_list(m.block_ids), num_computed_tokens=m.num_computed_tokens,
-            lora_id=m.lora_id if m.HasField("lora_id") else None)
+            lora_id=m.lora_id if m.HasField("lora_id") else None,
+            eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None)
 
 
 def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewRequest) -> None:
@@ -596,6 +597,8 @@ def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewReq
     out.num_computed_tokens = r.num_computed_tokens
     if r.lora_id is not None:
         out.lora_id = r.lora_id
+    if r.eos_token_id is not None:
+        out.eos_token_id = r.eos_token_id
 
 
 # -- ModelRunnerOutput ------------------------------------------------------------------

@@ -30,6 +30,7 @@ class RequestState:
     mrope_positions: Any = None
     mrope_delta: int = 0
     row: int | None = None                    # None while preempted
+    eos_token_id: int | None = None           # masked while below min_tokens
 
 
 @dataclass(slots=True)

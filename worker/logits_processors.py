@@ -1,5 +1,5 @@
 """Logits processors that change which token a row may pick, in vLLM's order: allowed_token_ids,
-bad words, logit_bias, then the repetition, frequency and presence penalties. Temperature and
+bad words and min_tokens (a row below min_tokens may not pick its EOS or stop ids), logit_bias, then the repetition, frequency and presence penalties. Temperature and
 the top-k / top-p / min-p filters come after them, in the sampler.
 
 ``LogitsProcessors.build`` turns one step's params and token history into device tensors, each
@@ -32,7 +32,7 @@ class LogitsProcessors:
     # Rows restricted by allowed_token_ids, and the (row, token) pairs they allow.
     allowed_rows: torch.Tensor | None
     allowed: tuple[torch.Tensor, torch.Tensor] | None
-    # (row, token) pairs that a bad word bans at this step.
+    # (row, token) pairs that a bad word or min_tokens bans at this step.
     banned: tuple[torch.Tensor, torch.Tensor] | None
     # (row, token) pairs and the bias added to each.
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -40,13 +40,14 @@ class LogitsProcessors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], history: TokenHistory | None,
-              device: torch.device | str) -> LogitsProcessors | None:
+              device: torch.device | str,
+              eos_token_ids: list[int | None] | None = None) -> LogitsProcessors | None:
         used = [j for j, p in enumerate(params)
                 if p.has_penalties or p.logit_bias or p.allowed_token_ids is not None
-                or p.bad_words_token_ids]
+                or p.bad_words_token_ids or p.min_tokens]
         if not used:
             return None
-        allowed, biased, penalised, with_bad_words = [], [], [], []
+        allowed, biased, penalised, with_bad_words, with_min = [], [], [], [], []
         for j in used:
             p = params[j]
             if p.allowed_token_ids is not None:
@@ -57,8 +58,10 @@ class LogitsProcessors:
                 penalised.append(j)
             if p.bad_words_token_ids:
                 with_bad_words.append(j)
-        if history is None and (penalised or with_bad_words):
-            raise ValueError("penalties and bad words need the rows' token history")
+            if p.min_tokens:
+                with_min.append(j)
+        if history is None and (penalised or with_bad_words or with_min):
+            raise ValueError("penalties, bad words and min_tokens need the rows' token history")
 
         def pairs(rows: list[int], tokens: list) -> tuple[torch.Tensor, torch.Tensor]:
             counts = [len(t) for t in tokens]
@@ -72,6 +75,7 @@ class LogitsProcessors:
             values = np.fromiter(chain.from_iterable(m.values() for m in maps), np.float32)
             bias = (*pairs(biased, maps), _to_device(values, device))
         banned = _bad_word_bans(params, with_bad_words, history)
+        banned += _min_tokens_bans(params, with_min, history, eos_token_ids)
         return cls(
             allowed_rows=_to_device(np.array(allowed), device) if allowed else None,
             allowed=(pairs(allowed, [params[j].allowed_token_ids for j in allowed])
@@ -110,6 +114,21 @@ def _bad_word_bans(params: list[SamplingParams], rows: list[int],
             start = len(output) - len(prefix)
             if start >= 0 and output[start:].tolist() == prefix:
                 banned.append((j, last))
+    return banned
+
+
+def _min_tokens_bans(params: list[SamplingParams], rows: list[int], history: TokenHistory | None,
+                     eos_token_ids: list[int | None] | None) -> list[tuple[int, int]]:
+    """(row, token) pairs to ban: a row with fewer than min_tokens outputs may not stop, so its
+    EOS and stop ids are masked (vLLM's rule; the length limits still apply)."""
+    banned = []
+    for j in rows:
+        num_output = int(history.num_tokens[j] - history.num_prompt_tokens[j])
+        if num_output >= params[j].min_tokens:
+            continue
+        eos = eos_token_ids[j] if eos_token_ids is not None else None
+        stops = params[j].stop_token_ids if eos is None else [eos, *params[j].stop_token_ids]
+        banned += [(j, t) for t in dict.fromkeys(stops)]
     return banned
 
 

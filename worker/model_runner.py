@@ -195,7 +195,7 @@ class ModelRunner:
             params = new.sampling_params
             generator = None if params.seed is None else make_generator(params.seed, self.device)
             state = RequestState(new.req_id, len(new.prompt_token_ids), params, generator,
-                                 list(new.mm_features))
+                                 list(new.mm_features), eos_token_id=new.eos_token_id)
             if self.vision is not None:
                 self.vision.init_positions(state, new.prompt_token_ids)
             state.row = batch.add(new.prompt_token_ids, new.block_ids)
@@ -338,7 +338,8 @@ class ModelRunner:
             self._apply_grammar(so, step, row_req, logits)
         metadata = SamplingMetadata.from_params([s.sampling_params for s in states],
                                                 [s.generator for s in states], self.device,
-                                                self._token_history(step, row_req, states))
+                                                self._token_history(step, row_req, states),
+                                                [s.eos_token_id for s in states])
         result = self.sampler(logits.float(), metadata)
         ids = result.sampled_token_ids.tolist()
         lps = None

@@ -64,8 +64,10 @@ class SamplingMetadata:
     def from_params(cls, params: list[SamplingParams],
                     generators: list[torch.Generator | None],
                     device: torch.device | str,
-                    history: TokenHistory | None = None) -> SamplingMetadata:
-        """`history`: the rows' tokens, needed only when some row uses penalties or bad words."""
+                    history: TokenHistory | None = None,
+                    eos_token_ids: list[int | None] | None = None) -> SamplingMetadata:
+        """`history`: the rows' tokens, needed only when some row uses penalties, bad words or
+        min_tokens; `eos_token_ids`: each row's EOS id (None: none, or ignore_eos)."""
         if len(generators) != len(params):
             raise ValueError(f"generators must have one entry per row ({len(params)}), "
                              f"got {len(generators)}")
@@ -98,7 +100,7 @@ class SamplingMetadata:
             random_index=tensor(random_rows, torch.long),
             max_top_k=max(active_top_k, default=0),
             top_p_index=tensor(top_p_positions, torch.long) if top_p_positions else None,
-            processors=LogitsProcessors.build(params, history, device),
+            processors=LogitsProcessors.build(params, history, device, eos_token_ids),
         )
 
 

@@ -36,7 +36,7 @@ def _scheduler_output() -> SchedulerOutput:
                                       structured={"choice": ["yes", "no"]}),
                        [1, 2], 0),
         NewRequestData("b", [7] * 40, [], SamplingParams(structured={"json_schema": '{"type": "object"}'}),
-                       [3, 4, 5], 16, lora_id=2),
+                       [3, 4, 5], 16, lora_id=2, eos_token_id=11),
     ]
     cached = CachedRequestData(req_ids=["c", "d", "e"], new_block_ids=[[], [6], [7, 8, 9]],
                                num_computed_tokens=[33, 17, 0],

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, bad words and allowed_token_ids through the real engine on the tiny
+"""Penalties, logit_bias, bad words, allowed_token_ids and min_tokens through the real engine on the tiny
 Qwen3: greedy tokens equal transformers (generate with repetition_penalty; a naive loop for
 frequency and presence), also across async scheduling, chunked prefill, preemption and
 speculative drafts."""
@@ -54,8 +54,7 @@ def generate(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
-# Per prompt, batched together; 1.0 uses none. The engine does not mask EOS before min_tokens
-# (generate does), so each pair is one whose greedy output never reaches for EOS.
+# Per prompt, batched together; 1.0 uses none.
 PENALTIES = (1.5, 2.0, 1.0, 1.2, 0.7)
 
 
@@ -122,6 +121,27 @@ def test_bad_words_are_never_generated(llm, prompts, hf_generate):
     assert single not in out
     assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
     assert out != free
+
+
+@pytest.mark.parametrize("favoured", ["eos", "stop_id"])
+def test_min_tokens_masks_eos_and_stop_ids_like_generate(llm, prompts, hf_model, favoured):
+    """Below min_tokens a row may not pick EOS or a stop id (generate's min_new_tokens masks
+    them too); biased to the top, the first one allowed ends the request right at min_tokens."""
+    eos, stop_id = hf_model.generation_config.eos_token_id, 5
+    bias = {eos: 50.0, stop_id: 60.0 if favoured == "stop_id" else 40.0}
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, logit_bias=bias,
+                            stop_token_ids=[stop_id])
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=6, do_sample=False,
+                eos_token_id=[eos, stop_id],
+                sequence_bias={(t,): b for t, b in bias.items()})
+        expected = out[0, len(prompt):].tolist()
+        assert result.token_ids == expected
+        assert len(expected) == 7 and expected[-1] == (eos if favoured == "eos" else stop_id)
+        assert result.finish_reason == "stop"
 
 
 def test_allowed_token_ids_hold_at_temperature_one(llm, prompts):
@@ -213,11 +233,11 @@ def test_each_row_of_a_step_sees_its_own_output_and_the_drafts_before_it(runner,
     seen = []
     from_params = SamplingMetadata.from_params.__func__
 
-    def spy(cls, params, generators, device, history=None):
+    def spy(cls, params, generators, device, history=None, eos_token_ids=None):
         # Read now: the step's kept tokens overwrite the drafts in the batch afterwards.
         seen.extend((history.output(j).tolist(), int(history.num_prompt_tokens[j]))
                     for j in range(len(params)))
-        return from_params(cls, params, generators, device, history)
+        return from_params(cls, params, generators, device, history, eos_token_ids)
 
     monkeypatch.setattr(SamplingMetadata, "from_params", classmethod(spy))
     drafts = {"a": [5, 6], "b": [], "c": [7, 8, 9]}
