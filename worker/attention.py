@@ -67,6 +67,22 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def flash_block_size_warning(backend: str, block_size: int) -> str | None:
+    """Why flash-attn will copy KV at this block size, or None.
+
+    The default block size stays 16 with flash-attn: prefix-cache hits come in
+    whole blocks, and pages of 256 would share prompts only at 256-token
+    boundaries and waste up to 255 slots per request. The price is a gather
+    of each request's context per layer, which long contexts feel: the
+    warning tells users where the choice lies."""
+    if backend != "flash_attn" or block_size % _FLASH_PAGE_MULTIPLE == 0:
+        return None
+    return (f"flash-attn reads the paged KV cache in place only with --block-size a multiple "
+            f"of {_FLASH_PAGE_MULTIPLE}; with {block_size} each layer gathers every "
+            f"request's context first. --block-size {_FLASH_PAGE_MULTIPLE} avoids the copy "
+            f"but caches prefixes only in {_FLASH_PAGE_MULTIPLE}-token blocks")
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """The attention backend to run: ``auto`` picks flash-attn only on CUDA in
     half precision when it imports and passes a tiny self-check

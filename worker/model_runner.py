@@ -10,6 +10,7 @@ scheduling); steps must simply execute in order.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from concurrent.futures import Future
@@ -21,13 +22,16 @@ import torch
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
-                                          kv_cache_bytes_per_block, resolve_backend)
+                                          flash_block_size_warning, kv_cache_bytes_per_block,
+                                          resolve_backend)
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
 from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
                                        is_vision_model, merge_multimodal_embeddings)
+
+logger = logging.getLogger(__name__)
 
 # KV cache size on CPU when neither num_blocks nor kv_cache_memory_bytes is set.
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -123,6 +127,9 @@ class ModelRunner:
                             scheduler_config: SchedulerConfig) -> int:
         """Size and allocate the KV cache; returns num_blocks (block 0 included)."""
         bs = cache_config.block_size
+        warning = flash_block_size_warning(self.attention_backend, bs)
+        if warning:
+            logger.warning("attention: %s", warning)
         num_layers, num_kv_heads, head_dim = self._kv_shape
         per_block = kv_cache_bytes_per_block(num_layers, bs, num_kv_heads, head_dim, self.dtype)
         blocks_per_req = -(-(scheduler_config.max_model_len + scheduler_config.num_speculative_tokens

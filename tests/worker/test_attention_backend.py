@@ -110,3 +110,22 @@ def test_auto_does_not_run_the_self_check_when_flash_attn_is_not_installed(monke
     assert attention.resolve_backend("auto", CUDA, torch.float16) == "sdpa"
     with pytest.raises(ValueError, match="flash-attn package"):
         attention.resolve_backend("flash_attn", CUDA, torch.float16)
+
+
+@pytest.mark.parametrize("backend,block_size,warns", [
+    ("flash_attn", 16, True), ("flash_attn", 256, False), ("flash_attn", 512, False),
+    ("sdpa", 16, False)])
+def test_flash_attn_with_blocks_it_cannot_page_warns_at_kv_allocation(
+        tiny_qwen3_path, caplog, backend, block_size, warns):
+    from tokenbudget.core import CacheConfig, SchedulerConfig
+    from tokenbudget.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu")
+    runner.attention_backend = backend  # as resolved on a GPU; allocation is the same
+    with caplog.at_level("WARNING"):
+        runner.initialize_kv_cache(CacheConfig(block_size=block_size, num_blocks=4),
+                                   SchedulerConfig(max_model_len=64))
+    said = [r.getMessage() for r in caplog.records if "block-size" in r.getMessage()]
+    assert len(said) == warns
+    if warns:
+        assert f"with {block_size} each layer gathers" in said[0] and "--block-size 256" in said[0]
