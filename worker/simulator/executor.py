@@ -13,6 +13,7 @@ simulated time runs one step at a time.
 """
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
@@ -39,14 +40,15 @@ def sim_token(seed: int, index: int, eos: int | None, vocab_size: int) -> int:
 
 
 class _ReqState:
-    __slots__ = ("num_tokens", "num_outputs", "seed", "target", "ignore_eos")
+    __slots__ = ("num_tokens", "num_outputs", "base", "eos_at")
 
-    def __init__(self, num_tokens: int, seed: int, target: int | None, ignore_eos: bool) -> None:
+    def __init__(self, num_tokens: int, seed: int, eos_at: int) -> None:
         self.num_tokens = num_tokens
         self.num_outputs = 0
-        self.seed = seed
-        self.target = target
-        self.ignore_eos = ignore_eos
+        # sim_token(seed, k, ...) is (base + k * 7919) % vocab_size, EOS bumped.
+        self.base = seed * 1_000_003 + 11
+        # Outputs from this index on are EOS (the target length).
+        self.eos_at = eos_at
 
 
 class SimulatedExecutor:
@@ -76,45 +78,48 @@ class SimulatedExecutor:
         return blocks
 
     def execute_model(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        # The hot loop of a simulation: one pass over the scheduled requests,
+        # sums the cost model needs kept inline.
         reqs = self._reqs
         for rid in so.finished_req_ids:
             reqs.pop(rid, None)
         num_scheduled = so.num_scheduled_tokens
         eos = self.eos_token_id
         vocab = self.vocab_size
-        req_ids: list[str] = []
-        sampled: list[list[int]] = []
-        tokens = pairs = context = prefills = 0
+        cached = so.scheduled_cached_reqs
+        starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
         for nrd in so.scheduled_new_reqs:
             seed, target = self.plans.pop(nrd.req_id, (0, None))
-            reqs[nrd.req_id] = _ReqState(len(nrd.prompt_token_ids), seed, target,
-                                         nrd.sampling_params.ignore_eos)
-        starts: dict[str, int] = {nrd.req_id: nrd.num_computed_tokens
-                                  for nrd in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            starts[rid] = computed
+            no_eos = target is None or eos is None or nrd.sampling_params.ignore_eos
+            reqs[nrd.req_id] = _ReqState(len(nrd.prompt_token_ids), seed,
+                                         sys.maxsize if no_eos else target)
+            starts[nrd.req_id] = nrd.num_computed_tokens
         for rid, resumed in cached.resumed_token_ids.items():
             reqs[rid].num_tokens = len(resumed)
+        req_ids = list(num_scheduled)
+        sampled: list[list[int]] = []
+        append = sampled.append
+        tokens = sum(num_scheduled.values())
+        context = sum(starts.values()) + tokens
+        pairs = prefills = 0
         for rid, n in num_scheduled.items():
             c = starts[rid]
-            tokens += n
-            if n > 1:
+            if n == 1:
+                pairs += c + 1
+            else:
                 prefills += 1
-            pairs += n * c + n * (n + 1) // 2
-            context += c + n
+                pairs += n * c + n * (n + 1) // 2
             state = reqs[rid]
-            new: list[int] = []
-            if c + n >= state.num_tokens:
-                state.num_outputs += 1
-                if eos is not None and state.target is not None and \
-                        state.num_outputs >= state.target and not state.ignore_eos:
-                    new.append(eos)
-                else:
-                    new.append(sim_token(state.seed, state.num_outputs, eos, vocab))
-                state.num_tokens += 1
-            req_ids.append(rid)
-            sampled.append(new)
+            if c + n < state.num_tokens:
+                append([])  # mid-prefill
+                continue
+            k = state.num_outputs = state.num_outputs + 1
+            state.num_tokens += 1
+            if k >= state.eos_at:
+                append([eos])
+            else:
+                token = (state.base + k * 7919) % vocab  # sim_token, inlined
+                append([token + 1 if token == eos else token])
         if req_ids:  # a step that only tells the worker what finished costs nothing
             dt = self.cost_model.time_of(
                 self.cost_model.terms_from_sums(tokens, len(req_ids), pairs, context, prefills))
