@@ -240,55 +240,70 @@ class Scheduler:
                                                     req.stop_reason, error))
 
     def _schedule_running(self, step: _Step) -> None:
+        # The hot loop of every step (once per running request): attributes
+        # are read once into locals and the budget is kept in a local,
+        # written back to ``step`` around the calls that read or change it.
         cfg = self.scheduler_config
-        kv = self.kv_cache_manager
+        allocate = self.kv_cache_manager.allocate_slots
         threshold = cfg.long_prefill_token_threshold
         max_model_len = cfg.max_model_len
         lookahead = cfg.num_speculative_tokens
         running = self.running
         num_scheduled = step.num_scheduled
+        scheduled_reqs = step.cached_reqs
+        new_block_ids = step.new_block_ids
+        budget = step.token_budget
         i = 0
-        while i < len(running) and step.token_budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             i += 1
-            if req.num_output_placeholders and \
-                    req.num_output_tokens + req.num_output_placeholders >= req.max_tokens:
+            placeholders = req.num_output_placeholders
+            if placeholders and \
+                    len(req.output_token_ids) + placeholders >= req.max_tokens:
                 continue  # async: its last token is already being produced
-            num_new = (len(req.all_token_ids) + len(req.spec_token_ids)
-                       + req.num_output_placeholders - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            num_new = (len(req.all_token_ids) + len(req.spec_token_ids) + placeholders
+                       - computed)
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > step.token_budget:
-                num_new = step.token_budget
-            if num_new > max_model_len - req.num_computed_tokens:
-                num_new = max_model_len - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_model_len - computed:
+                num_new = max_model_len - computed
             encoder_inputs = None
             if req.mm_features:
                 encoder_inputs, num_new = self._try_schedule_encoder_inputs(
-                    req, req.num_computed_tokens, num_new, step)
+                    req, computed, num_new, step)
             if num_new <= 0:
                 continue
-            while True:
-                new_ids = kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
-                if new_ids is not None:
-                    break
-                victim = self._pick_victim()
-                if self._preempt(victim, step) < i:
-                    i -= 1
-                if victim is req:
-                    break
+            new_ids = allocate(req, num_new, None, 0, lookahead)
             if new_ids is None:
-                continue
-            num_scheduled[req.request_id] = num_new
-            step.token_budget -= num_new
-            step.cached_reqs.append(req)
-            step.new_block_ids[req.request_id] = new_ids
+                step.token_budget = budget
+                while True:
+                    victim = self._pick_victim()
+                    if self._preempt(victim, step) < i:
+                        i -= 1
+                    if victim is req:
+                        break
+                    new_ids = allocate(req, num_new, None, 0, lookahead)
+                    if new_ids is not None:
+                        break
+                # A victim scheduled earlier this step gave its tokens back.
+                budget = step.token_budget
+                if new_ids is None:
+                    continue
+            rid = req.request_id
+            num_scheduled[rid] = num_new
+            budget -= num_new
+            scheduled_reqs.append(req)
+            new_block_ids[rid] = new_ids
             if req.spec_token_ids:
-                num_spec = req.num_computed_tokens + num_new - req.num_tokens
+                num_spec = computed + num_new - len(req.all_token_ids)
                 if num_spec > 0:
-                    step.spec_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+                    step.spec_tokens[rid] = req.spec_token_ids[:num_spec]
             if encoder_inputs:
                 self._commit_encoder_inputs(req, encoder_inputs, step)
+        step.token_budget = budget
 
     def _admit_waiting(self, step: _Step) -> None:
         cfg = self.scheduler_config
@@ -542,16 +557,20 @@ class Scheduler:
                            kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id,
                            None if r.sampling_params.ignore_eos else r.eos_token_id)
             for r in step.new_reqs]
-        cached = CachedRequestData()
-        for r in step.cached_reqs:
-            rid = r.request_id
-            cached.req_ids.append(rid)
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            if rid in step.resumed:
-                cached.new_block_ids.append(kv.get_block_ids(rid))
-                cached.resumed_token_ids[rid] = list(r.all_token_ids)
-            else:
-                cached.new_block_ids.append(step.new_block_ids[rid])
+        scheduled = step.cached_reqs
+        req_ids = [r.request_id for r in scheduled]
+        cached = CachedRequestData(req_ids, [], [r.num_computed_tokens for r in scheduled])
+        if step.resumed:
+            for r in scheduled:
+                rid = r.request_id
+                if rid in step.resumed:
+                    cached.new_block_ids.append(kv.get_block_ids(rid))
+                    cached.resumed_token_ids[rid] = list(r.all_token_ids)
+                else:
+                    cached.new_block_ids.append(step.new_block_ids[rid])
+        else:
+            new_block_ids = step.new_block_ids
+            cached.new_block_ids = [new_block_ids[rid] for rid in req_ids]
         finished, self.finished_req_ids = self.finished_req_ids, set()
         num_common = 0
         if self.running and self.cache_config.enable_prefix_caching:
@@ -602,6 +621,10 @@ class Scheduler:
         fair = self._fair
         if self._slo is not None:
             self._slo.on_scheduled(sum(step.num_scheduled.values()))
+        if fair is None and not placeholders:
+            for rid, n in step.num_scheduled.items():
+                requests[rid].num_computed_tokens += n
+            return
         for rid, n in step.num_scheduled.items():
             req = requests[rid]
             req.num_computed_tokens += n
@@ -666,10 +689,10 @@ class Scheduler:
                 req.spec_token_ids = self._fit_drafts(req, drafts[i])
             elif req.spec_token_ids:
                 req.spec_token_ids = []  # verified this step, nothing new proposed
+            # Positional: a keyword makes the dataclass's __init__ a third slower.
             outputs.append(RequestOutput(rid, kept, RequestStatus.finish_reason(status)
                                          if status is not None else None,
-                                         lp, req.num_cached_tokens, req.stop_reason,
-                                         prompt_logprobs=plp))
+                                         lp, req.num_cached_tokens, req.stop_reason, None, plp))
         if finished_running:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

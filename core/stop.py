@@ -12,20 +12,21 @@ def check_stop(req: Request, new_token_ids: list[int],
     params = req.sampling_params
     eos = None if params.ignore_eos else req.eos_token_id
     stop_ids = params.stop_token_ids
+    min_tokens = params.min_tokens
+    max_tokens = req.max_tokens
+    outputs = req.output_token_ids
+    all_ids = req.all_token_ids
     for k, token in enumerate(new_token_ids):
-        req.output_token_ids.append(token)
-        req.all_token_ids.append(token)
-        n_out = len(req.output_token_ids)
-        status = None
+        outputs.append(token)
+        all_ids.append(token)
+        n_out = len(outputs)
         # min_tokens holds back EOS and stop ids, never the length limits.
-        if n_out >= params.min_tokens:
+        if n_out >= min_tokens:
             if token == eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif stop_ids and token in stop_ids:
-                status = RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, new_token_ids[:k + 1]
+            if stop_ids and token in stop_ids:
                 req.stop_reason = token
-        if status is None and (n_out >= req.max_tokens or len(req.all_token_ids) >= max_model_len):
-            status = RequestStatus.FINISHED_LENGTH_CAPPED
-        if status is not None:
-            return status, new_token_ids[:k + 1]
+                return RequestStatus.FINISHED_STOPPED, new_token_ids[:k + 1]
+        if n_out >= max_tokens or len(all_ids) >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, new_token_ids[:k + 1]
     return None, new_token_ids

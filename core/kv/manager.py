@@ -80,10 +80,11 @@ class KVCacheManager:
             # Fast path (most decode steps): the last block has room and no
             # block becomes full.
             end = request.num_computed_tokens + num_new_tokens
-            if end + num_lookahead_tokens <= len(blocks) * self.block_size and \
-                    min(end, len(request.all_token_ids)) // self.block_size \
-                    <= self.num_cached_blocks[req_id]:
-                return []
+            bs = self.block_size
+            if end + num_lookahead_tokens <= len(blocks) * bs:
+                known = len(request.all_token_ids)
+                if (end if end < known else known) // bs <= self.num_cached_blocks[req_id]:
+                    return []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = num_computed + num_new_tokens + num_lookahead_tokens
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0

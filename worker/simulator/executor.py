@@ -127,7 +127,7 @@ class SimulatedExecutor:
             self.busy_s += dt
             self.num_steps += 1
         future: Future[ModelRunnerOutput] = Future()
-        future.set_result(ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)},
+        future.set_result(ModelRunnerOutput(req_ids, dict(zip(req_ids, range(len(req_ids)))),
                                             sampled))
         return future
 
