@@ -5,6 +5,7 @@ from tokenbudget.core.engine import EngineCore, Executor
 from tokenbudget.core.kv import BlockPool, KVCacheBlock, KVCacheManager
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       PromptLogprobs, RequestOutput, SchedulerOutput)
+from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
 from tokenbudget.core.request import MultiModalFeature, Request, RequestStatus
 from tokenbudget.core.sampling_params import SamplingParams, StructuredOutputParams
 from tokenbudget.core.scheduler import DuplicateRequestError, Scheduler, SchedulerStats
@@ -12,7 +13,7 @@ from tokenbudget.core.scheduler import DuplicateRequestError, Scheduler, Schedul
 __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "DuplicateRequestError",
     "EncoderCacheManager", "EngineCore", "Executor", "KVCacheBlock", "KVCacheManager",
-    "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "PromptLogprobs", "Request",
+    "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "PoolerConfig", "PoolingParams", "PromptLogprobs", "Request",
     "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "StructuredOutputParams",
 ]

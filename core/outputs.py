@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import SamplingParams
 
@@ -24,6 +25,8 @@ class NewRequestData:
     lora_id: int | None = None
     # The EOS id that stops it (None with ignore_eos): min_tokens masks it.
     eos_token_id: int | None = None
+    # Set for a pooling request (resolved): pool its prompt, sample nothing.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +95,8 @@ class ModelRunnerOutput:
     # Per request (same index), per sampled token: {token_id: logprob} holding
     # the sampled token and the top-n; None where not asked for.
     logprobs: list[list[dict[int, float]] | None] | None = None
+    # Per request (same index): the pooled vector (a 1-D float32 CPU tensor)
+    # of a pooling request in the step its prompt completes, else None.
     pooler_output: list[Any] | None = None
     # Per request (same index): draft tokens proposed for the next step.
     spec_token_ids: list[list[int]] | None = None
@@ -116,6 +121,8 @@ class RequestOutput:
     # Prompt logprobs computed this step, for prompt tokens 1.. in order (token
     # 0 has none); each {prompt token: logprob} plus the top-n.
     prompt_logprobs: list[dict[int, float]] | None = None
+    # A pooling request's pooled vector (1-D float32 tensor), on its final output.
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:

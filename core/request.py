@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.sampling_params import SamplingParams
 
 
@@ -66,13 +67,13 @@ class Request:
         "num_cached_tokens", "num_preemptions", "block_hashes", "num_output_placeholders",
         "stop_reason", "max_tokens", "num_prompt_tokens", "structured_request",
         "first_scheduled_time", "skip_reading_prefix_cache", "num_prompt_logprobs_sent",
-        "tenant", "ttft_ms", "tpot_ms", "__weakref__")
+        "tenant", "ttft_ms", "tpot_ms", "pooling_params", "__weakref__")
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         eos_token_id: int | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -82,9 +83,25 @@ class Request:
         tenant: str | None = None,
         ttft_ms: float | None = None,
         tpot_ms: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """``tenant`` names who sent the request (fair share); ``ttft_ms`` and
-        ``tpot_ms`` are its latency targets (policy "slo", goodput)."""
+        ``tpot_ms`` are its latency targets (policy "slo", goodput).
+
+        A pooling (embedding) request gives resolved ``pooling_params`` and no
+        ``sampling_params``: it is scheduled as a prompt with one output
+        token to come (max_tokens=1), computes its prompt only and finishes
+        with the pooled vector instead of a token."""
+        if pooling_params is not None:
+            if sampling_params is not None:
+                raise ValueError(f"request {request_id}: give sampling_params or "
+                                 "pooling_params, not both")
+            if not pooling_params.is_resolved:
+                raise ValueError(f"request {request_id}: pooling_params must be resolved "
+                                 "against the model's PoolerConfig first")
+            sampling_params = SamplingParams(max_tokens=1)
+        elif sampling_params is None:
+            raise ValueError(f"request {request_id}: sampling_params must be given")
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt_token_ids must not be empty")
         for name, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
@@ -124,7 +141,12 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Prompt logprobs need the logits of every prompt position, which a
         # prefix-cache hit would skip: such requests compute their whole prompt.
-        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
+        self.pooling_params = pooling_params
+        # Likewise MEAN and CLS pooling need the hidden state of every prompt
+        # position (CLS: of position 0), which a hit would skip; LAST needs
+        # only the last token, which is always computed.
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None or (
+            pooling_params is not None and pooling_params.pooling_type != "LAST")
         # Prompt tokens whose logprobs were output (token 0 has none: it starts at 1).
         self.num_prompt_logprobs_sent = 1
 

@@ -555,7 +555,8 @@ class Scheduler:
         new_reqs = [
             NewRequestData(r.request_id, r.prompt_token_ids, r.mm_features, r.sampling_params,
                            kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id,
-                           None if r.sampling_params.ignore_eos else r.eos_token_id)
+                           None if r.sampling_params.ignore_eos else r.eos_token_id,
+                           r.pooling_params)
             for r in step.new_reqs]
         scheduled = step.cached_reqs
         req_ids = [r.request_id for r in scheduled]
@@ -644,6 +645,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         drafts = model_runner_output.spec_token_ids
+        pooled = model_runner_output.pooler_output
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         som = self.structured_output_manager
         max_model_len = self.scheduler_config.max_model_len
@@ -656,6 +658,13 @@ class Scheduler:
             new = sampled[i] if i is not None else None
             if req.mm_features:
                 self._free_computed_encoder_inputs(req)
+            if req.pooling_params is not None:
+                # Prefill only: it finishes in the step that pooled its whole prompt.
+                if pooled is not None and i is not None and pooled[i] is not None:
+                    finished_running |= self._finish_pooling(req)
+                    outputs.append(RequestOutput(rid, [], "stop", None, req.num_cached_tokens,
+                                                 pooling_output=pooled[i]))
+                continue
             plp = None
             if prompt_logprobs is not None and rid in prompt_logprobs:
                 plp = self._new_prompt_logprobs(req, prompt_logprobs[rid])
@@ -696,6 +705,15 @@ class Scheduler:
         if finished_running:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _finish_pooling(self, req: Request) -> bool:
+        """Free a pooling request whose vector came back; True if it was running."""
+        req.num_output_placeholders = 0
+        running = req.status == RequestStatus.RUNNING
+        if not running:  # async: preempted while its last chunk was in flight
+            self.waiting.remove_requests([req])
+        self._free_request(req, RequestStatus.FINISHED_STOPPED)
+        return running
 
     @staticmethod
     def _new_prompt_logprobs(req: Request, computed: PromptLogprobs) -> list | None:

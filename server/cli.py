@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for; -1 = the "
                    "vocabulary (default %(default)s)")
+    g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config",
+                   default=None, metavar="JSON",
+                   help='embedding requests\' default pooling, e.g. \'{"pooling_type": "MEAN", '
+                   '"normalize": false}\': pooling_type LAST, MEAN or CLS, normalize (L2) true '
+                   "or false; a field left out comes from the model (its sentence-transformers "
+                   "modules.json, else LAST with normalize for decoders). Requests may override "
+                   "both (--override-pooler-config is vLLM's older name)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="accepted for vLLM compatibility and changes nothing: tokenbudget "
                    "never captures CUDA graphs, it always runs eagerly")

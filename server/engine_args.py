@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
+from tokenbudget.core.pooling_params import PoolerConfig
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -25,7 +26,8 @@ DEFAULT_MAX_MODEL_LEN = 8192
 # vLLM's name -> ours, for LLM(...) keywords (the CLI has both as option strings).
 ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks",
            "kv_cache_memory_bytes": "kv_cache_memory",
-           "scheduling_policy": "policy"}
+           "scheduling_policy": "policy",
+           "override_pooler_config": "pooler_config"}
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *FP8_KV_CACHE_DTYPES)
 
@@ -64,6 +66,9 @@ class EngineArgs:
     disable_log_stats: bool = False
     enable_log_requests: bool = False
     api_key: str | None = None             # refused: see check()
+    # Embedding requests' default pooling over the model's own (PoolerConfig
+    # fields as a dict or JSON text: pooling_type LAST|MEAN|CLS, normalize).
+    pooler_config: dict | str | None = None
     # -- scheduler --
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -148,6 +153,7 @@ class EngineArgs:
                 not os.path.isdir(os.path.expanduser(self.generation_config)):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
+        PoolerConfig.overrides(self.pooler_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if self.enforce_eager:

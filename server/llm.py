@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenbudget.core.engine import EngineCore
+from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.structured_output import StructuredOutputManager
@@ -13,7 +14,8 @@ from tokenbudget.server.engine_args import EngineArgs, read_chat_template
 from tokenbudget.server.generation_defaults import load_generation_defaults
 from tokenbudget.server.input_processor import InputProcessor, Prompt
 from tokenbudget.server.output_processor import SampleState
-from tokenbudget.server.request_builder import build_requests
+from tokenbudget.server.pooler_defaults import load_pooler_config
+from tokenbudget.server.request_builder import build_pooling_request, build_requests
 
 
 @dataclass(slots=True)
@@ -68,6 +70,31 @@ class GenerationResult:
         return self.outputs[0].logprobs
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """The embedding of one prompt (vLLM's ``EmbeddingRequestOutput``:
+    ``outputs.embedding``; ``embedding`` reads it directly)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
 class LLM:
     """``LLM(model, **engine_args)``: the engine arguments of ``server`` in snake
     case (``EngineArgs``), vLLM's names included: ``max_num_seqs=64``,
@@ -100,6 +127,7 @@ class LLM:
             model, source=args.generation_config, revision=args.revision,
             tokenizer_eos_token_id=self.input_processor.eos_token_id)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
+        self.pooler_config = load_pooler_config(model, args.pooler_config, revision=args.revision)
         self.executor = InProcessExecutor(worker, async_mode=args.async_scheduling)
         # Cheap until a structured request arrives (xgrammar loads then).
         self.structured_output = StructuredOutputManager(
@@ -164,6 +192,58 @@ class LLM:
                 prompt["chat_template"] = template
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order. ``pooling_params`` (one
+        or one per prompt) override the model's default pooling
+        (``self.pooler_config``) field by field. Embedding requests share
+        the scheduler with generation: prefill only, chunked like any prompt."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"pooling_params: got {len(pooling_params)} for "
+                             f"{len(prompts)} prompts")
+        pending: dict[str, int] = {}
+        results: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompts, pooling_params)):
+            rid = f"llm-{next(self._ids)}"
+            requests.append(build_pooling_request(self.input_processor, rid, prompt, params,
+                                                  self.pooler_config))
+            pending[rid] = i
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(prompts), desc="embed")
+        try:
+            for req in requests:
+                self.engine.add_request(req)
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    i = pending.pop(out.request_id, None) if out.finished else None
+                    if i is None:
+                        continue
+                    if out.pooling_output is None:
+                        raise RuntimeError(f"embedding request {out.request_id} finished "
+                                           f"({out.finish_reason}) without a vector")
+                    req = requests[i]
+                    results[i] = EmbeddingRequestOutput(
+                        req.request_id, req.prompt_token_ids,
+                        EmbeddingOutput(out.pooling_output.tolist()),
+                        max(out.num_cached_tokens, 0))
+                    if progress is not None:
+                        progress.update(1)
+        except BaseException:
+            self.engine.abort_requests(list(pending))
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return results
 
     def _make_requests(self, prompt: Prompt, params: SamplingParams
                        ) -> tuple[str, list[Request]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.server.input_processor import InputProcessor, Prompt
@@ -49,3 +50,16 @@ def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
     return [Request(sample_request_id(request_id, i, n), token_ids, p, eos_token_id=eos,
                     mm_features=features, **request_options)
             for i, p in enumerate(samples)]
+
+
+def build_pooling_request(processor: InputProcessor, request_id: str, prompt: Prompt,
+                          params: PoolingParams | None, pooler_config: PoolerConfig,
+                          **request_options) -> Request:
+    """The Request of an embedding: ``params`` (None: the model's defaults)
+    resolved against ``pooler_config``."""
+    if params is not None and not isinstance(params, PoolingParams):
+        raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+    resolved = (params or PoolingParams()).resolve(pooler_config)
+    token_ids, features = processor.process(prompt)
+    return Request(request_id, token_ids, None, mm_features=features, pooling_params=resolved,
+                   **request_options)

@@ -26,6 +26,7 @@ from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           resolve_backend)
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
+from tokenbudget.worker.pooler import Pooler
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
 from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
@@ -106,6 +107,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend(attention_backend, self.device, self.dtype)
         self.vision = _VisionInputs(self.model) if is_vision_model(self.model) else None
         self.sampler = Sampler()
+        self.pooler = Pooler(self.model)
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.batch: InputBatch | None = None
@@ -190,6 +192,7 @@ class ModelRunner:
             state = self.requests.pop(rid, None)
             if state is not None and state.row is not None:
                 batch.remove(state.row)
+            self.pooler.remove(rid)
         for rid in so.preempted_req_ids:
             # Keep the state: a resumed request continues its seeded stream.
             state = self.requests.get(rid)
@@ -207,6 +210,8 @@ class ModelRunner:
                 self.vision.init_positions(state, new.prompt_token_ids)
             state.row = batch.add(new.prompt_token_ids, new.block_ids)
             self.requests[new.req_id] = state
+            if new.pooling_params is not None:
+                self.pooler.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))
         cached = so.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             state = self.requests[rid]
@@ -227,13 +232,18 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         step = self._prepare(so)
+        pooling = self.pooler.mask(step.req_ids)
+        if pooling is not None:
+            step.samples &= ~pooling  # pooling requests sample nothing
         meta = self._attention_metadata(step)
         logits_idx = self._logits_indices(step)
         prompt_rows = self._prompt_logprob_rows(step)
         keep = logits_idx if prompt_rows is None else np.concatenate([logits_idx,
                                                                        prompt_rows.packed])
         t1 = time.perf_counter()
+        self.pooler.start_step(pooling)
         logits = self._forward(so, step, meta, keep)
+        pooled = self.pooler.pool(step.req_ids, step.starts, step.query_lens, pooling)
         t2 = time.perf_counter()
         prompt_logprobs = None
         if prompt_rows is not None:
@@ -243,6 +253,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         out = self._make_output(so, step, sampled_rows, ids, lps)
         out.prompt_logprobs = prompt_logprobs
+        out.pooler_output = pooled
         t4 = time.perf_counter()
         self.timings["prep"] += t1 - t0
         self.timings["forward"] += t2 - t1
