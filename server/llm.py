@@ -202,7 +202,7 @@ class LLM:
         the scheduler with generation: prefill only, chunked like any prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        if not isinstance(pooling_params, (list, tuple)):
             pooling_params = [pooling_params] * len(prompts)
         if len(pooling_params) != len(prompts):
             raise ValueError(f"pooling_params: got {len(pooling_params)} for "
