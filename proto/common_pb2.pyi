@@ -151,3 +151,11 @@ class TokenLogprobs(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PoolingParams(_message.Message):
+    __slots__ = ("pooling_type", "normalize")
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    pooling_type: str
+    normalize: bool
+    def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...

@@ -19,6 +19,7 @@ from typing import Any
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       PromptLogprobs, SchedulerOutput)
+from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import (STRUCTURED_KINDS, SamplingParams,
                                               StructuredOutputParams)
@@ -582,7 +583,9 @@ class SchedulerOutputDecoder:
             mm_features=features, sampling_params=sampling_params_from_proto(m.sampling_params),
             block_ids=_i32_list(m.block_ids), num_computed_tokens=m.num_computed_tokens,
             lora_id=m.lora_id if m.HasField("lora_id") else None,
-            eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None)
+            eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None,
+            pooling_params=(pooling_params_from_proto(m.pooling_params)
+                            if m.HasField("pooling_params") else None))
 
 
 def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewRequest) -> None:
@@ -599,6 +602,22 @@ def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewReq
         out.lora_id = r.lora_id
     if r.eos_token_id is not None:
         out.eos_token_id = r.eos_token_id
+    if r.pooling_params is not None:
+        pooling_params_to_proto(r.pooling_params, out.pooling_params)
+
+
+def pooling_params_to_proto(params: PoolingParams, out: common_pb2.PoolingParams) -> None:
+    out.SetInParent()  # present even when every field is the default
+    if params.pooling_type is not None:
+        out.pooling_type = params.pooling_type
+    if params.normalize is not None:
+        out.normalize = params.normalize
+
+
+def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """Raises ValueError naming a bad field."""
+    return PoolingParams(msg.pooling_type if msg.HasField("pooling_type") else None,
+                         msg.normalize if msg.HasField("normalize") else None)
 
 
 # -- ModelRunnerOutput ------------------------------------------------------------------

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=tokenbudget_dot_v1_dot_generate__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.Stats.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tokenbudget.v1.Generation/Embed',
+                request_serializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -85,6 +90,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The pooled hidden states of one prompt (prefill only; it shares the
+        scheduler with Generate).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.GetStatsRequest.FromString,
                     response_serializer=tokenbudget_dot_v1_dot_generate__pb2.Stats.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class Generation:
             '/tokenbudget.v1.Generation/GetStats',
             tokenbudget_dot_v1_dot_generate__pb2.GetStatsRequest.SerializeToString,
             tokenbudget_dot_v1_dot_generate__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenbudget.v1.Generation/Embed',
+            tokenbudget_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            tokenbudget_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -98,7 +98,7 @@ class SglangSchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """/v1/embeddings. tokenbudget has no pooling yet: answered with EmbedError.
+        """/v1/embeddings: the model's default pooling (tokenbudget's --pooler-config).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

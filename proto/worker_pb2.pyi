@@ -80,7 +80,7 @@ class MultiModalFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[_Union[_common_pb2.Value, _Mapping]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id", "eos_token_id")
+    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id", "eos_token_id", "pooling_params")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     handle: int
     prompt_token_ids: bytes
@@ -99,7 +100,8 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     lora_id: int
     eos_token_id: int
-    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    pooling_params: _common_pb2.PoolingParams
+    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
 
 class RaggedIds(_message.Message):
     __slots__ = ("num_lists", "flat", "counts", "sparse", "rows")

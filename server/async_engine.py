@@ -21,6 +21,7 @@ from typing import Any
 
 from tokenbudget.core.engine import EngineCore
 from tokenbudget.core.outputs import RequestOutput
+from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.request import Request
 from tokenbudget.core.scheduler import DuplicateRequestError
 from tokenbudget.server.output_processor import SampleState
@@ -46,6 +47,8 @@ class Chunk:
     stop_reason: int | str | None = None
     # Prompt logprobs (entry 0 is None), on the first chunk that follows them.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A pooling request's vector (1-D float32 tensor), on its last chunk.
+    pooling_output: Any = None
 
 
 @dataclass(slots=True)
@@ -157,6 +160,7 @@ class RequestStream:
             chunk = Chunk(delta.token_ids, delta.text, delta.finish_reason,
                           max(outputs[-1].num_cached_tokens, 0), delta.logprobs, delta.index,
                           delta.stop_reason)
+            chunk.pooling_output = outputs[-1].pooling_output
             if self._prompt_logprobs is not None and chunk.token_ids:
                 chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
             self.num_output_tokens += len(chunk.token_ids)
@@ -202,9 +206,13 @@ class AsyncEngine:
                  is_demo: bool = False, num_remote_workers: int = 0,
                  served_model_name: str | None = None,
                  sampling_defaults: dict[str, Any] | None = None,
-                 trace_recorder: Any | None = None) -> None:
+                 trace_recorder: Any | None = None,
+                 pooler_config: PoolerConfig | None = None) -> None:
         """``trace_recorder``: a worker.simulator.traces.TraceRecorder that sees
-        every accepted request and its output length (no text), for replay."""
+        every accepted request and its output length (no text), for replay.
+        ``pooler_config``: the model's default pooling for embedding requests
+        (server/pooler_defaults.py; default LAST, normalised)."""
+        self.pooler_config = pooler_config or PoolerConfig()
         self.core = core
         self.trace_recorder = trace_recorder
         # Engine request id -> its Request, while recorded and live.

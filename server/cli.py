@@ -305,6 +305,7 @@ def build_engine(args: argparse.Namespace, metrics=None):
     from tokenbudget.server.demo import ensure_demo_model
     from tokenbudget.server.generation_defaults import load_generation_defaults
     from tokenbudget.server.input_processor import InputProcessor
+    from tokenbudget.server.pooler_defaults import load_pooler_config
     from tokenbudget.worker.grpc_worker import check_port_free
     from tokenbudget.worker.loader import check_supported
     from tokenbudget.worker.model_source import load_config
@@ -340,7 +341,9 @@ def build_engine(args: argparse.Namespace, metrics=None):
                        sampling_defaults=defaults.sampling, eos_token_ids=defaults.eos_token_ids,
                        is_vision_language=getattr(config, "vision_config", None) is not None,
                        is_demo=is_demo, num_remote_workers=len(args.worker),
-                       trace_recorder=_trace_recorder(args, cache_config.block_size))
+                       trace_recorder=_trace_recorder(args, cache_config.block_size),
+                       pooler_config=load_pooler_config(model, engine_args.pooler_config,
+                                                        revision=args.revision))
 
 
 def _trace_recorder(args: argparse.Namespace, block_size: int):

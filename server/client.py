@@ -4,6 +4,7 @@
         print(c.generate("Hello", max_tokens=16, temperature=0).text)
         for chunk in c.generate_stream({"token_ids": [1, 2, 3]}, max_tokens=8):
             print(chunk.token_ids, chunk.text)
+        vector = c.embed("Hello", pooling_type="MEAN").embedding
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.proto import convert, generate_pb2, generate_pb2_grpc
 
@@ -39,6 +41,18 @@ class Completion:
     completion_tokens: int = 0
     cached_tokens: int = 0
     samples: list[Completion] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Embedding:
+    """An Embed reply: the vector and the pooling the server applied."""
+
+    request_id: str
+    embedding: list[float]
+    pooling_type: str
+    normalize: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Client:
@@ -114,6 +128,33 @@ class Client:
         first.prompt_logprobs = prompt_logprobs
         return first
 
+    def embed(self, prompt: str | Sequence[int] | dict[str, Any],
+              pooling_params: PoolingParams | None = None, *, request_id: str | None = None,
+              priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+              timeout: float | None = None, **pooling) -> Embedding:
+        """The embedding of one prompt (text, token ids or ``{"prompt_token_ids":
+        [...]}``). ``pooling`` keywords (pooling_type, normalize) build a
+        PoolingParams; fields neither names take the model's default."""
+        params = pooling_params or PoolingParams(**pooling)
+        msg = generate_pb2.EmbedRequest(priority=priority)
+        for name, value in (("request_id", request_id), ("cache_salt", cache_salt),
+                            ("tenant", tenant)):
+            if value is not None:
+                setattr(msg, name, value)
+        if isinstance(prompt, str):
+            msg.text = prompt
+        else:
+            ids = prompt.get("prompt_token_ids", prompt.get("token_ids")) \
+                if isinstance(prompt, dict) else prompt
+            if ids is None:
+                raise ValueError("prompt dict needs 'prompt_token_ids'")
+            msg.token_ids.ids.extend(ids)
+            msg.token_ids.SetInParent()
+        convert.pooling_params_to_proto(params, msg.pooling_params)
+        reply = self.stub.Embed(msg, timeout=timeout)
+        return Embedding(reply.request_id, list(reply.embedding), reply.pooling_type,
+                         reply.normalize, reply.usage.prompt_tokens, reply.usage.cached_tokens)
+
     def abort(self, request_id: str) -> None:
         self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))
 
@@ -181,4 +222,4 @@ def _add_message(out: generate_pb2.ChatMessage, content: str | list[dict]) -> No
             raise ValueError(f"unknown content part type {part['type']!r}")
 
 
-__all__ = ["Client", "Completion", "make_request"]
+__all__ = ["Client", "Completion", "Embedding", "make_request"]

@@ -21,7 +21,7 @@ from tokenbudget.core.scheduler import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured_output import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
-from tokenbudget.server.request_builder import build_requests
+from tokenbudget.server.request_builder import build_pooling_request, build_requests
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,51 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise ValueError("chat.messages must not be empty")
         return {"messages": [_message(i, m) for i, m in enumerate(request.chat.messages)]}
 
+    # -- Embed ------------------------------------------------------------------------
+    def Embed(self, request: generate_pb2.EmbedRequest, context: grpc.ServicerContext):
+        try:
+            req, stream = self._submit_embed(request)
+        except _SERVED_ERRORS as exc:
+            context.abort(_status_of(exc), str(exc))
+        rid = stream.request_id
+        context.add_callback(lambda: self.engine.abort(rid))
+        try:
+            chunks = list(stream)
+        except _SERVED_ERRORS as exc:
+            context.abort(_status_of(exc), str(exc))
+        reply = _embed_response(req, rid, chunks[-1] if chunks else None)
+        if reply is None:
+            context.abort(grpc.StatusCode.ABORTED, _aborted(rid))
+        return reply
+
+    def _submit_embed(self, request: generate_pb2.EmbedRequest) -> tuple[Request, RequestStream]:
+        if self.draining.is_set():
+            raise EngineDeadError("the server is shutting down")
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        if not rid:
+            raise ValueError("request_id must not be empty (leave it unset to get one)")
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise ValueError("input: set one of text or token_ids")
+        if kind == "text" and not request.text:
+            raise ValueError("text: the prompt must not be empty")
+        if kind == "token_ids" and not request.token_ids.ids:
+            raise ValueError("token_ids: the prompt must not be empty")
+        prompt = ({"prompt": request.text} if kind == "text"
+                  else {"prompt_token_ids": list(request.token_ids.ids)})
+        params = None
+        if request.HasField("pooling_params"):
+            try:
+                params = convert.pooling_params_from_proto(request.pooling_params)
+            except ValueError as exc:
+                raise ValueError(f"pooling_params.{exc}") from None
+        options = {name: getattr(request, name) for name in ("cache_salt", "tenant")
+                   if request.HasField(name)}
+        req = build_pooling_request(self.engine.input_processor, rid, prompt, params,
+                                    self.engine.pooler_config, priority=request.priority,
+                                    **options)
+        return req, self.engine.add_request(req, request_id=rid, detokenize=False)
+
     # -- the other RPCs -------------------------------------------------------------------
     def Abort(self, request: generate_pb2.AbortRequest, context: grpc.ServicerContext):
         if not self.engine.abort(request.request_id):
@@ -169,6 +214,28 @@ class AioGenerationServicer(GenerationServicer):
             if not (failed or stream.finished):  # the client cancelled or went away
                 self.engine.abort(stream.request_id)  # free its KV
 
+    async def Embed(self, request: generate_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
+        try:
+            req, stream = await asyncio.get_running_loop().run_in_executor(
+                None, self._submit_embed, request)
+        except _SERVED_ERRORS as exc:
+            await context.abort(_status_of(exc), str(exc))
+        last = None
+        failed = False
+        try:
+            async for chunk in stream:
+                last = chunk
+        except _SERVED_ERRORS as exc:
+            failed = True
+            await context.abort(_status_of(exc), str(exc))
+        finally:
+            if not (failed or stream.finished):  # the client cancelled or went away
+                self.engine.abort(stream.request_id)
+        reply = _embed_response(req, stream.request_id, last)
+        if reply is None:
+            await context.abort(grpc.StatusCode.ABORTED, _aborted(stream.request_id))
+        return reply
+
     async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         if not self.engine.abort(request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, _not_live(request.request_id))
@@ -211,6 +278,10 @@ def make_requests(engine: AsyncEngine, request_id: str, prompt: dict, params: Sa
                           eos_token_ids=engine.eos_token_ids, **request_options)
 
 
+def _aborted(request_id: str) -> str:
+    return f"request_id {request_id!r} was aborted before its embedding was computed"
+
+
 def _not_live(request_id: str) -> str:
     return f"request_id {request_id!r} is not a live request"
 
@@ -249,6 +320,19 @@ class _Replies:
             msg.usage.completion_tokens = completion
             msg.usage.cached_tokens = chunk.num_cached_tokens
         return msg
+
+
+def _embed_response(request: Request, request_id: str, last: Chunk
+                    ) -> generate_pb2.EmbedResponse | None:
+    """The reply; None when the request ended without a vector (an Abort)."""
+    if last is None or last.pooling_output is None:
+        return None
+    params = request.pooling_params
+    return generate_pb2.EmbedResponse(
+        request_id=request_id, embedding=last.pooling_output.tolist(),
+        usage=generate_pb2.Usage(prompt_tokens=request.num_prompt_tokens,
+                                 cached_tokens=last.num_cached_tokens),
+        pooling_type=params.pooling_type, normalize=params.normalize)
 
 
 def _chat_has_images(request: generate_pb2.GenerateRequest) -> bool:

@@ -33,7 +33,9 @@ from tokenbudget.core.structured_output import GrammarTimeoutError
 from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenbudget.server.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
+from tokenbudget.core.request import Request
 from tokenbudget.server.grpc_service import make_requests
+from tokenbudget.server.request_builder import build_pooling_request
 
 logger = logging.getLogger(__name__)
 
@@ -334,10 +336,61 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     # -- the other RPCs -------------------------------------------------------------------
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
-        return pb.EmbedResponse(request_id=request.request_id, error=pb.EmbedError(
-            message=f"embeddings are not supported: model {self.served_model_name} is served "
-                    "for generation only (tokenbudget has no pooling yet)",
-            code="400"))
+        """The model's default pooling (the gateway's EmbedRequest has no
+        pooling options); errors in band, as Generate's."""
+        self.last_receive_time = time.time()
+        if self.draining or not self.engine.healthy:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            req = await asyncio.get_running_loop().run_in_executor(
+                None, self._embed_request, request, rid)
+            stream = self.engine.add_request(req, request_id=rid, detokenize=False)
+        except _IN_BAND_ERRORS as exc:
+            return _embed_error(rid, exc)
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        last = None
+        try:
+            async for chunk in stream:
+                last = chunk
+        except _IN_BAND_ERRORS as exc:
+            return _embed_error(rid, exc)
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            if not stream.finished:  # the gateway cancelled
+                self.engine.abort(rid)
+        if last is None or last.pooling_output is None:
+            return pb.EmbedResponse(request_id=rid, error=pb.EmbedError(
+                message=f"request {rid!r} was aborted", code="499"))
+        vector = last.pooling_output.tolist()
+        return pb.EmbedResponse(request_id=rid, complete=pb.EmbedComplete(
+            embedding=vector, prompt_tokens=req.num_prompt_tokens,
+            cached_tokens=last.num_cached_tokens, embedding_dim=len(vector)))
+
+    def _embed_request(self, request: pb.EmbedRequest, rid: str) -> Request:
+        mm = request.mm_inputs
+        if request.HasField("mm_inputs") and (mm.image_urls or mm.video_urls or mm.audio_urls or
+                                              mm.image_data or mm.video_data or mm.audio_data or
+                                              mm.HasField("processed_features")):
+            raise ValueError("mm_inputs: multimodal inputs are not supported through the "
+                             "gateway protocol yet")
+        if request.is_cross_encoder:
+            raise ValueError("is_cross_encoder: cross-encoder scoring is not supported")
+        if request.token_type_ids:
+            raise ValueError("token_type_ids: not supported (decoder embedders have none)")
+        if request.texts:
+            raise ValueError("texts: send one tokenized prompt per request")
+        if request.data_parallel_rank > 0:
+            raise ValueError(f"data_parallel_rank: this server has one rank (0), got "
+                             f"{request.data_parallel_rank}")
+        if not request.tokenized.input_ids:
+            raise ValueError("tokenized.input_ids: the prompt must not be empty")
+        engine = self.engine
+        return build_pooling_request(engine.input_processor, rid,
+                                     {"prompt_token_ids": list(request.tokenized.input_ids)},
+                                     None, engine.pooler_config)
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         reason = self._unhealthy_reason()
@@ -418,6 +471,12 @@ def _error(request_id: str, exc: BaseException) -> pb.GenerateResponse:
     status = next(code for t, code in _HTTP_STATUS_OF_ERROR if isinstance(exc, t))
     return pb.GenerateResponse(request_id=request_id, error=pb.GenerateError(
         message=str(exc), http_status_code=status))
+
+
+def _embed_error(request_id: str, exc: BaseException) -> pb.EmbedResponse:
+    status = next(code for t, code in _HTTP_STATUS_OF_ERROR if isinstance(exc, t))
+    return pb.EmbedResponse(request_id=request_id, error=pb.EmbedError(message=str(exc),
+                                                                      code=status))
 
 
 def _token_capacity(engine: AsyncEngine) -> int:

@@ -174,10 +174,16 @@ def test_a_refused_field_is_named_and_the_replica_stays_in_rotation(cluster, cli
         assert status == 200, body
 
 
-def test_embeddings_are_refused_with_the_reason(cluster):
+def test_embeddings_through_the_gateway(cluster, clients):
+    """/v1/embeddings reaches SglangScheduler.Embed: the replica's default
+    pooling of the prompt the gateway tokenized."""
     gw = cluster.gateway
-    status, body = gw.post("/v1/embeddings", {"model": gw.model, "input": "hello"})
-    assert status >= 400 and "embeddings are not supported" in body["error"]["message"], body
+    status, body = gw.post("/v1/embeddings", {"model": gw.model, "input": "hello world"})
+    assert status == 200, body
+    vector = body["data"][0]["embedding"]
+    ours = clients["r1"].embed("hello world")
+    assert body["usage"]["prompt_tokens"] == ours.prompt_tokens
+    assert max(abs(a - b) for a, b in zip(vector, ours.embedding, strict=True)) <= 1e-6
 
 
 def test_model_info_and_loads_describe_the_replica(cluster, clients):

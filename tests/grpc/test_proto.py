@@ -12,6 +12,7 @@ import torch
 from tokenbudget.core import (CacheConfig, CachedRequestData, ModelRunnerOutput,
                               MultiModalFeature, NewRequestData, PromptLogprobs, SamplingParams,
                               SchedulerConfig, SchedulerOutput)
+from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.proto import common_pb2, convert, worker_pb2
 from tokenbudget.proto.generate import PROTO_DIR, generate
 
@@ -36,7 +37,8 @@ def _scheduler_output() -> SchedulerOutput:
                                       structured={"choice": ["yes", "no"]}),
                        [1, 2], 0),
         NewRequestData("b", [7] * 40, [], SamplingParams(structured={"json_schema": '{"type": "object"}'}),
-                       [3, 4, 5], 16, lora_id=2, eos_token_id=11),
+                       [3, 4, 5], 16, lora_id=2, eos_token_id=11,
+                       pooling_params=PoolingParams("MEAN", False)),
     ]
     cached = CachedRequestData(req_ids=["c", "d", "e"], new_block_ids=[[], [6], [7, 8, 9]],
                                num_computed_tokens=[33, 17, 0],

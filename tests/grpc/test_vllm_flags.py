@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.proto import generate_pb2
 from tokenbudget.server import cli
 from tokenbudget.server.engine_args import EngineArgs
@@ -52,6 +53,10 @@ REFUSED = [
     (["--api-key", "secret"], "api_key is not supported: tokenbudget's gRPC server has no "
      "authentication"),
     (["--revision", "v1", "--worker", "127.0.0.1:1"], "--revision with --worker is not supported"),
+    (["--pooler-config", '{"pooling_type": "max"}'],
+     "pooler_config.pooling_type must be one of LAST, MEAN, CLS, got 'max'"),
+    (["--override-pooler-config", '{"dimensions": 8}'],
+     "pooler_config.dimensions: not supported (only pooling_type and normalize)"),
 ]
 
 
@@ -111,6 +116,8 @@ def test_llm_keywords_take_the_same_names_and_aliases():
         EngineArgs.from_kwargs("m", max_num_seq=4)
     with pytest.raises(ValueError, match="not supported"):
         EngineArgs.from_kwargs("m", kv_cache_dtype="fp8")
+    assert EngineArgs.from_kwargs("m", override_pooler_config={"normalize": False}) \
+        .pooler_config == {"normalize": False}
 
 
 # Flags that act when the model loads, checked on one engine built with all of
@@ -127,7 +134,8 @@ def flagged_engine(tiny_model, tmp_path_factory):
         "--model", tiny_model, "--port", "0", "--num-gpu-blocks", "32", "--max-model-len", "256",
         "--served-model-name", "my-model", "--seed", "1234", "--tokenizer", tokenizer_dir,
         "--revision", "main", "--chat-template", str(template_file),
-        "--generation-config", "vllm", "--max-logprobs", "3", "--kv-cache-dtype", "float32"])
+        "--generation-config", "vllm", "--max-logprobs", "3", "--kv-cache-dtype", "float32",
+        "--pooler-config", '{"pooling_type": "cls", "normalize": false}'])
     engine = cli.build_engine(ns)
     yield engine, tokenizer_dir
     engine.shutdown()
@@ -142,6 +150,7 @@ def test_model_flags_reach_the_engine(flagged_engine):
     assert engine.input_processor.tokenizer.chat_template == TEMPLATE      # --chat-template FILE
     assert engine.sampling_defaults == {}                        # --generation-config vllm
     assert engine.input_processor.max_logprobs == 3              # --max-logprobs
+    assert engine.pooler_config == PoolerConfig("CLS", False)    # --pooler-config
     for field in ("logprobs", "prompt_logprobs"):
         request = generate_pb2.GenerateRequest(text="hi")
         setattr(request.sampling_params, field, 4)
