@@ -263,3 +263,35 @@ def test_embed_refuses_sampling_params_in_place_of_pooling_params(chunky_llm):
         chunky_llm.embed("hello", SamplingParams())
     with pytest.raises(ValueError, match="pooling_params: got 2 for 1 prompts"):
         chunky_llm.embed("hello", [PoolingParams(), PoolingParams()])
+
+
+# -- vision-language models -------------------------------------------------------------------
+
+def test_vl_embedding_with_an_image_across_chunks(tmp_path, vl_chats):
+    """A chat with two images, pooled in 16-token chunks that cut through the
+    images, equals the transformers VL model's last hidden state pooled
+    (Qwen3-VL: its deepstack features enter the decoder too)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tokenbudget.server.mm_processor import MultiModalProcessor
+    from tokenbudget.worker import tiny_vl_models
+    from tokenbudget.worker.vision import mm_token_type_ids
+
+    path = tiny_vl_models.build_tiny_qwen3_vl(tmp_path)
+    chat = vl_chats[0]
+    ids, features = MultiModalProcessor.from_pretrained(path).process_messages(chat)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(
+            input_ids=torch.tensor([ids]),
+            pixel_values=torch.cat([f.data["pixel_values"] for f in features]),
+            image_grid_thw=torch.cat([f.data["image_grid_thw"] for f in features]),
+            mm_token_type_ids=mm_token_type_ids(len(ids), features)).last_hidden_state[0]
+    llm = make_llm(path, num_gpu_blocks=64, max_num_batched_tokens=16)
+    log = StepLog(llm)
+    for kind, want in (("MEAN", hidden.mean(0)), ("LAST", hidden[-1])):
+        (result,) = llm.embed({"messages": chat}, PoolingParams(kind, False))
+        assert result.prompt_token_ids == ids
+        assert_close(result.embedding, want)
+        if kind == "MEAN":  # (LAST then finds the prompt in the prefix cache)
+            assert len(log.chunks(result.request_id)) > 1
