@@ -10,9 +10,15 @@ samples. Executors that set ``defers_grammar_bitmask`` accept a pending mask
 (a Future their worker waits on right before sampling): the engine sends step
 N+1 at once and fills its mask after applying step N. Other executors get a
 concrete mask, so steps do not overlap while structured requests sample.
+
+An executor whose workers can come back (RemoteExecutor) has
+``reinitialize() -> num_blocks`` and fails steps with a ConnectionError while
+they are gone: the engine front then calls ``discard_requests`` and, until it
+succeeds, ``reinitialize``.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from concurrent.futures import Future
 from typing import Protocol
@@ -22,6 +28,7 @@ from tokenbudget.core.outputs import ModelRunnerOutput, RequestOutput, Scheduler
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
 
 class Executor(Protocol):
     def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
@@ -131,12 +138,47 @@ class EngineCore:
         if so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids:
             self.executor.execute_model(so).result()
 
-    def shutdown(self) -> None:
+    # -- after a worker failed -----------------------------------------------------------
+    def can_recover(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the executor's workers went away or hung (they
+        may come back) rather than a bug."""
+        return isinstance(exc, ConnectionError) and hasattr(self.executor, "reinitialize")
+
+    def discard_requests(self) -> None:
+        """Forget every request and step in flight (their worker is gone): abort
+        them all (their KV blocks and grammar matchers are released) and start
+        a fresh scheduler, so nothing of the old worker's state survives: its
+        cached prefixes went with its KV, and its finished-request ids mean
+        nothing to the next one."""
+        self._drop_in_flight()
+        old = self.scheduler
+        old.finish_requests(list(old.requests), RequestStatus.FINISHED_ABORTED)
+        self.scheduler = Scheduler(old.scheduler_config, old.cache_config,
+                                   old.structured_output_manager,
+                                   defer_grammar_bitmask=self._defer_masks)
+
+    def reinitialize(self) -> None:
+        """Reconnect the executor's workers and initialise them again with the
+        same configuration (after discard_requests). A worker may now report
+        another KV size (other free memory): the scheduler gets a pool of that
+        size. Raises ConnectionError while a worker cannot be reached."""
+        num_blocks = self.executor.reinitialize()
+        cache_config = self.scheduler.cache_config
+        if num_blocks != cache_config.num_blocks:
+            logger.warning("the workers came back with %d KV blocks (had %d)", num_blocks,
+                           cache_config.num_blocks)
+            cache_config.num_blocks = num_blocks
+            self.discard_requests()
+
+    def _drop_in_flight(self) -> None:
         for so, fut in self._in_flight:
             fut.cancel()
             if isinstance(so.grammar_bitmask, Future):
                 so.grammar_bitmask.cancel()  # releases a worker waiting on it
         self._in_flight.clear()
+
+    def shutdown(self) -> None:
+        self._drop_in_flight()
         if self.scheduler.structured_output_manager is not None:
             self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -245,12 +245,15 @@ class AsyncEngine:
         self._wakeup = threading.Condition(self._lock)
         self._stopping = False
         self._error: BaseException | None = None
+        # A worker failure the executor reported, for the engine thread to act on.
+        self._executor_failure: BaseException | None = None
         self._num_generated_tokens = 0
         self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._recovery_callbacks: list[Callable[[], None]] = []
         add_cb = getattr(core.executor, "add_failure_callback", None)
         if add_cb is not None:
             # A worker dying while the engine idles must still be noticed.
-            add_cb(lambda exc: self._submit(lambda: self._raise(exc)))
+            add_cb(self._on_executor_failure)
         self._thread = threading.Thread(target=self._loop, name="tokenbudget-engine", daemon=True)
         self._thread.start()
 
@@ -260,7 +263,14 @@ class AsyncEngine:
         return self._error is None and self._thread.is_alive()
 
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(exc)`` runs (on the engine thread) when the engine stops
+        serving: for good, or until its workers are back (see on_recovery)."""
         self._death_callbacks.append(callback)
+
+    def on_recovery(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (on the engine thread) when reconnected workers
+        serve again after a failure."""
+        self._recovery_callbacks.append(callback)
 
     def add_request(self, request: Request | list[Request], *, detokenize: bool = True,
                     request_id: str | None = None) -> RequestStream:
@@ -351,36 +361,90 @@ class AsyncEngine:
 
     # -- engine thread -------------------------------------------------------------
     def _loop(self) -> None:
-        core = self.core
-        try:
-            while True:
-                with self._lock:
-                    while not (self._commands or self._stopping or core.has_unfinished_requests()):
-                        self._wakeup.wait()
-                    if self._stopping:
-                        return
-                    commands, self._commands = self._commands, []
-                for command in commands:
-                    command()
-                if core.has_unfinished_requests():
-                    self._dispatch(core.step())
-                    if self.metrics is not None:
-                        if core.has_unfinished_requests():
-                            self.metrics.maybe_observe_engine(self._make_stats)
-                        else:  # going idle: the gauges must not keep the last busy value
-                            self.metrics.observe_engine(self._make_stats())
-        except BaseException as exc:  # a worker died or the engine has a bug
-            logger.exception("engine loop failed; failing every request")
-            self._error = exc
-            self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
-            for callback in self._death_callbacks:
-                callback(exc)
+        while True:
+            try:
+                self._run()
+                return  # shutting down
+            except BaseException as exc:  # a worker died or hung, or the engine has a bug
+                recoverable = self.core.can_recover(exc) and not self._stopping
+                if not recoverable:
+                    logger.exception("engine loop failed; failing every request")
+                self._stop_serving(exc)
+                if not recoverable or not self._reconnect():
+                    return
 
-    @staticmethod
-    def _raise(exc: BaseException) -> None:
-        raise exc
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            with self._lock:
+                while not (self._commands or self._stopping or self._executor_failure or
+                           core.has_unfinished_requests()):
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+                if self._executor_failure is not None:
+                    raise self._executor_failure
+                commands, self._commands = self._commands, []
+            for command in commands:
+                command()
+            if core.has_unfinished_requests():
+                self._dispatch(core.step())
+                if self.metrics is not None:
+                    if core.has_unfinished_requests():
+                        self.metrics.maybe_observe_engine(self._make_stats)
+                    else:  # going idle: the gauges must not keep the last busy value
+                        self.metrics.observe_engine(self._make_stats())
+
+    def _on_executor_failure(self, exc: BaseException) -> None:
+        with self._lock:
+            self._executor_failure = exc
+            self._wakeup.notify()
+
+    def _stop_serving(self, exc: BaseException) -> None:
+        """Fail every request with ``exc`` and forget them, so stats show none
+        running; the death callbacks report the engine unhealthy."""
+        with self._lock:  # from here on add_request refuses
+            self._error = exc
+        self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+        try:
+            self.core.discard_requests()
+        except Exception:  # a scheduler broken by a bug: stats may still show its requests
+            logger.exception("could not discard the failed requests")
+        self._recorded.clear()
+        if self.metrics is not None:
+            self.metrics.observe_engine(self._make_stats())
+        for callback in self._death_callbacks:
+            callback(exc)
+
+    def _reconnect(self) -> bool:
+        """Reinitialise the workers, retrying with backoff (0.5 s doubling to
+        10 s) until they answer; False if the engine shuts down first."""
+        delay = 0.5
+        while True:
+            with self._lock:
+                self._executor_failure = None
+                if self._stopping:
+                    return False
+            try:
+                self.core.reinitialize()
+            except ConnectionError as exc:
+                logger.warning("workers unreachable (%s); retrying in %.1f s", exc, delay)
+                with self._lock:
+                    self._wakeup.wait_for(lambda: self._stopping, delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            with self._lock:
+                if self._executor_failure is not None:  # failed again at once
+                    continue
+                self._error = None
+            logger.info("workers reinitialised: serving again")
+            for callback in self._recovery_callbacks:
+                callback()
+            return True
 
     def _add(self, requests: list[Request], stream: RequestStream) -> None:
+        if self._streams.get(requests[0].request_id) is not stream:
+            return  # failed with the engine after it was queued
         added = []
         try:
             for request in requests:

@@ -7,6 +7,10 @@
 SIGTERM (or Ctrl-C) drains: new requests get UNAVAILABLE, requests in flight
 finish (up to --drain-timeout seconds, then they are aborted), exit status 0.
 A port another process listens on is refused before the model loads.
+
+The gRPC and metrics ports listen on 127.0.0.1 unless --host says otherwise;
+--tls-cert/--tls-key (and --tls-client-ca) serve TLS, --api-key requires
+"authorization: Bearer KEY" on every call but health checks.
 """
 from __future__ import annotations
 
@@ -85,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default $TOKENBUDGET_CACHE/demo or ~/.cache/tokenbudget/demo)")
 
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the gRPC and metrics ports bind (default %(default)s: only "
+                   "this machine can connect; --host 0.0.0.0 serves every interface)")
     g.add_argument("--port", type=int, default=50051,
                    help="gRPC port; 0 picks a free one (default %(default)s). A port another "
                    "process listens on is refused")
@@ -93,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request message in bytes; larger ones get RESOURCE_EXHAUSTED "
                    "(default 64 MiB)")
     g.add_argument("--max-concurrent-rpcs", "--grpc-threads", type=int, default=512,
-                   help="the most RPCs in flight; more are refused with RESOURCE_EXHAUSTED "
-                   "(default %(default)s; all streams share one asyncio event loop, "
-                   "--grpc-threads is the old name)")
+                   help="the most generations (Generate calls, ours and the SGLang "
+                   "gateway's, and Embed calls) in flight; more are refused at once with RESOURCE_EXHAUSTED. "
+                   "Health checks, GetStats and GetModelInfo are always answered (default "
+                   "%(default)s; all streams share one asyncio event loop, --grpc-threads is "
+                   "the old name)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being "
                    "--host (default: off)")
@@ -115,8 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python collector's generation-0 threshold, set after start-up when "
                    "the heap is frozen (default %(default)s; CPython's own is 700)")
     g.add_argument("--api-key", default=None,
-                   help="refused: the gRPC server has no authentication of its own (put it "
-                   "behind the SGLang gateway's --api-key or an authenticating proxy)")
+                   help="require metadata 'authorization: Bearer API_KEY' on every call "
+                   "(UNAUTHENTICATED otherwise); grpc.health.v1 stays open for probes. Send "
+                   "it over TLS, or on loopback only")
+    g.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve TLS with this certificate (chain) and --tls-key")
+    g.add_argument("--tls-key", default=None, metavar="PEM",
+                   help="the private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS: refuse clients without a certificate this CA signed")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", type=str.lower,
@@ -140,7 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "repeatable. Without it the model runs in this process. Several "
                    "workers run every step in lockstep and the first one's output is used "
                    "(a seam for tensor parallelism, not data parallelism: it adds no "
-                   "throughput).")
+                   "throughput). If workers die or hang, requests in flight fail with "
+                   "UNAVAILABLE and the server reconnects (backoff up to 10 s), then "
+                   "serves again.")
+    g.add_argument("--worker-secret-file", default=None, metavar="PATH",
+                   help="the shared secret of workers started with the same "
+                   "--worker-secret-file; sent with every call to them")
+    g.add_argument("--worker-step-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a worker that leaves a step unanswered this long is declared hung: "
+                   "health turns NOT_SERVING, requests in flight fail, and the server "
+                   "reconnects. 0 = never. The default (%(default)s, vLLM's execute-model "
+                   "timeout) leaves room for a first step's lazy CUDA/kernel set-up and a "
+                   "full-budget prefill of a large model on CPU")
 
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -286,6 +312,7 @@ def engine_args_from(args: argparse.Namespace):
     from tokenbudget.server.engine_args import EngineArgs, UnsupportedArgument
 
     engine_args = EngineArgs.from_cli_args(args)
+    check_server_flags(args)
     if args.worker:
         # Initialize carries the model path, dtype, device and attention backend only.
         for flag, given in (("--revision", args.revision is not None),
@@ -296,6 +323,27 @@ def engine_args_from(args: argparse.Namespace):
                                           "only the model path, dtype, device and attention "
                                           "backend; give --model a local folder it can read")
     return engine_args
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """Refuse (ValueError naming the flag) security and worker flags that
+    cannot work, before anything loads: unreadable TLS files or secrets, a
+    secret or timeout without --worker."""
+    from tokenbudget.server.security import server_credentials
+    from tokenbudget.worker.auth import read_secret_file
+
+    server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    if args.worker_step_timeout < 0:
+        raise ValueError(f"--worker-step-timeout must be >= 0, got {args.worker_step_timeout}")
+    if args.worker_secret_file is not None:
+        if not args.worker:
+            raise ValueError("--worker-secret-file needs --worker: it authenticates the "
+                             "server to remote workers")
+        read_secret_file(args.worker_secret_file)
+    if args.max_concurrent_rpcs < 1:
+        raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {args.max_concurrent_rpcs}")
 
 
 def build_engine(args: argparse.Namespace, metrics=None):
@@ -356,12 +404,16 @@ def _trace_recorder(args: argparse.Namespace, block_size: int):
 
 def _make_executor(args: argparse.Namespace, model: str):
     if args.worker:
+        from tokenbudget.worker.auth import read_secret_file
         from tokenbudget.worker.remote_executor import RemoteExecutor
 
         logger.info("driving remote workers %s", ", ".join(args.worker))
+        secret = getattr(args, "worker_secret_file", None)
         return RemoteExecutor(args.worker, model, dtype=args.dtype, device=args.device or "",
                               attention_backend=args.attention_backend,
-                              max_message_size=max(args.max_message_size, 256 << 20))
+                              max_message_size=max(args.max_message_size, 256 << 20),
+                              step_timeout=getattr(args, "worker_step_timeout", 0.0),
+                              secret=read_secret_file(secret) if secret else None)
     from tokenbudget.worker.executor import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
@@ -386,14 +438,22 @@ async def _serve(args: argparse.Namespace, engine) -> int:
 
     from tokenbudget.server import sglang_service
     from tokenbudget.server.grpc_service import SERVICE_NAME, add_generation_servicer
+    from tokenbudget.server.limits import GenerationLimitInterceptor
+    from tokenbudget.server.security import ApiKeyInterceptor, server_credentials
     from tokenbudget.worker.grpc_worker import NO_PORT_REUSE, bind_port
 
+    # The key is checked first: a call without it must not take a generation slot.
+    interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+    interceptors.append(GenerationLimitInterceptor(args.max_concurrent_rpcs, (
+        f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Embed",
+        f"/{sglang_service.SERVICE_NAME}/Generate")))
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=args.max_concurrent_rpcs,
+        interceptors=interceptors,
         options=[("grpc.max_receive_message_length", args.max_message_size),
                  ("grpc.max_send_message_length", args.max_message_size), NO_PORT_REUSE])
     try:
-        port = bind_port(server, args.host, args.port)
+        port = bind_port(server, args.host, args.port,
+                         server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca))
     except OSError:
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
         raise
@@ -408,9 +468,12 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     _enable_reflection(server, (SERVICE_NAME, sglang_service.SERVICE_NAME,
                                 health.SERVICE_NAME))
 
+    health_lock = asyncio.Lock()  # a death and a recovery in quick succession apply in order
+
     async def set_health(status) -> None:
-        for name in ("", SERVICE_NAME, sglang_service.SERVICE_NAME):
-            await health_servicer.set(name, status)
+        async with health_lock:
+            for name in ("", SERVICE_NAME, sglang_service.SERVICE_NAME):
+                await health_servicer.set(name, status)
 
     loop = asyncio.get_running_loop()
 
@@ -421,7 +484,17 @@ async def _serve(args: argparse.Namespace, engine) -> int:
         except RuntimeError:  # the loop is closed: the server is gone anyway
             pass
 
+    def on_recovery() -> None:  # called on the engine thread
+        if servicer.draining.is_set():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(
+                set_health(health_pb2.HealthCheckResponse.SERVING), loop)
+        except RuntimeError:
+            pass
+
     engine.on_death(on_death)
+    engine.on_recovery(on_recovery)
     await server.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING if engine.healthy
                      else health_pb2.HealthCheckResponse.NOT_SERVING)

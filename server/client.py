@@ -5,6 +5,11 @@
         for chunk in c.generate_stream({"token_ids": [1, 2, 3]}, max_tokens=8):
             print(chunk.token_ids, chunk.text)
         vector = c.embed("Hello", pooling_type="MEAN").embedding
+
+A server started with ``--api-key`` wants ``Client(..., api_key=KEY)``; one
+serving TLS wants ``tls=True`` (the system's CAs) or ``root_certificates=``
+the PEM bytes of its CA, and for mutual TLS ``certificate_chain=`` and
+``private_key=`` of the client's own certificate.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import grpc
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.proto import convert, generate_pb2, generate_pb2_grpc
+from tokenbudget.worker.auth import bearer_metadata
 
 Prompt = str | Sequence[int] | dict[str, Any]
 
@@ -57,11 +63,20 @@ class Embedding:
 
 class Client:
     def __init__(self, target: str, *, max_message_size: int = 64 << 20,
-                 channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", max_message_size),
-            ("grpc.max_receive_message_length", max_message_size)])
+                 channel: grpc.Channel | None = None, api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None,
+                 private_key: bytes | None = None) -> None:
+        options = [("grpc.max_send_message_length", max_message_size),
+                   ("grpc.max_receive_message_length", max_message_size)]
+        if channel is None and (tls or root_certificates or certificate_chain or private_key):
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                       certificate_chain)
+            channel = grpc.secure_channel(target, credentials, options=options)
+        self.channel = channel or grpc.insecure_channel(target, options=options)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        # Sent with every call (the server's --api-key).
+        self.metadata = bearer_metadata(api_key)
 
     def __enter__(self) -> Client:
         return self
@@ -90,7 +105,7 @@ class Client:
                                request_id=request_id, priority=priority, cache_salt=cache_salt,
                                tenant=tenant, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
                                only=None if sampling_params is not None else sampling)
-        call = self.stub.Generate(request, timeout=timeout)
+        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -151,18 +166,18 @@ class Client:
             msg.token_ids.ids.extend(ids)
             msg.token_ids.SetInParent()
         convert.pooling_params_to_proto(params, msg.pooling_params)
-        reply = self.stub.Embed(msg, timeout=timeout)
+        reply = self.stub.Embed(msg, timeout=timeout, metadata=self.metadata)
         return Embedding(reply.request_id, list(reply.embedding), reply.pooling_type,
                          reply.normalize, reply.usage.prompt_tokens, reply.usage.cached_tokens)
 
     def abort(self, request_id: str) -> None:
-        self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))
+        self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id), metadata=self.metadata)
 
     def model_info(self) -> generate_pb2.ModelInfo:
-        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=self.metadata)
 
     def stats(self) -> generate_pb2.Stats:
-        return self.stub.GetStats(generate_pb2.GetStatsRequest())
+        return self.stub.GetStats(generate_pb2.GetStatsRequest(), metadata=self.metadata)
 
 
 def make_request(prompt: Prompt, sampling_params: SamplingParams, *,

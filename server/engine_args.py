@@ -65,7 +65,6 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     disable_log_stats: bool = False
     enable_log_requests: bool = False
-    api_key: str | None = None             # refused: see check()
     # Embedding requests' default pooling over the model's own (PoolerConfig
     # fields as a dict or JSON text: pooling_type LAST|MEAN|CLS, normalize).
     pooler_config: dict | str | None = None
@@ -126,11 +125,6 @@ class EngineArgs:
 
     def check(self) -> None:
         """Refuse what cannot be honoured, naming it and saying why."""
-        if self.api_key is not None:
-            raise UnsupportedArgument(
-                "api_key", "tokenbudget's gRPC server has no authentication of its own; put "
-                "the servers behind the SGLang gateway (its --api-key) or an authenticating "
-                "proxy, and do not expose their ports")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -62,7 +62,7 @@ class EngineMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
                              _LATENCY_BUCKETS)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
     def close(self) -> None:
@@ -101,6 +101,8 @@ class EngineMetrics:
         for key, counter, value in (("queries", self.prefix_queries, queries),
                                     ("hits", self.prefix_hits, hits),
                                     ("preemptions", self.preemptions, stats.num_preemptions)):
+            if value < self._seen[key]:  # a fresh scheduler (workers reconnected) counts from 0
+                self._seen[key] = 0
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value

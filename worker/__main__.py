@@ -2,6 +2,12 @@
 
 The server (``server --worker H:P``) sends the model path and cache/scheduler
 configuration on connect; the path must be readable on this machine.
+
+Whoever reaches a worker's port can load any model path on it and stop it, so
+it listens on 127.0.0.1 by default. Across machines, give the server and every
+worker the same ``--worker-secret-file``: calls without the secret are refused
+(UNAUTHENTICATED). A non-loopback ``--host`` without a secret is refused at
+start unless ``--allow-unauthenticated`` says the network is trusted.
 """
 from __future__ import annotations
 
@@ -18,10 +24,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tokenbudget.worker", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s (tokenbudget) {metadata.version('tokenbudget')}")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default %(default)s: only this machine can "
+                        "connect); another address needs --worker-secret-file or "
+                        "--allow-unauthenticated")
     parser.add_argument("--port", type=int, default=50061,
                         help="port to bind; 0 picks a free one (default %(default)s). A port "
                         "another process listens on is refused")
+    parser.add_argument("--worker-secret-file", default=None, metavar="PATH",
+                        help="a file holding a shared secret; every call must present it "
+                        "(the server reads the same file with its own --worker-secret-file)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve on a non-loopback --host without a secret: anyone who "
+                        "reaches the port can run any model path and stop the worker. Only "
+                        "on a network you trust")
     parser.add_argument("--max-message-size", type=int, default=256 << 20,
                         help="largest gRPC message in bytes (default 256 MiB)")
     parser.add_argument("--threads", type=int, default=1,
@@ -45,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=max(level, logging.INFO),
                         format="%(asctime)s %(levelname)s worker: %(message)s")
     logging.getLogger("tokenbudget").setLevel(level)
+    secret = _secret(args)  # before the slow imports: a refusal is immediate
     import torch
 
     from tokenbudget.worker.grpc_worker import BindError, serve
@@ -52,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     try:
         server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size,
-                                   gc_threshold=args.gc_threshold)
+                                   gc_threshold=args.gc_threshold, secret=secret)
     except BindError as exc:
         sys.exit(f"worker: {exc}")
     # The line tests and scripts wait for (the port may have been picked by the OS).
@@ -61,6 +78,27 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2).wait()
+
+
+def _secret(args: argparse.Namespace) -> str | None:
+    """The shared secret, or None where serving without one is allowed; exits otherwise."""
+    from tokenbudget.worker.auth import is_loopback, read_secret_file
+
+    if args.worker_secret_file is not None:
+        try:
+            return read_secret_file(args.worker_secret_file)
+        except ValueError as exc:
+            sys.exit(f"worker: {exc}")
+    if is_loopback(args.host):
+        return None
+    if not args.allow_unauthenticated:
+        sys.exit(f"worker: refusing to listen on {args.host} without --worker-secret-file: "
+                 "anyone who reaches the port could load any model path and stop the worker "
+                 "(pass --allow-unauthenticated on a network you trust)")
+    logging.getLogger("tokenbudget.worker").warning(
+        "UNAUTHENTICATED worker on %s: anyone who reaches port %d can run any model path on "
+        "this machine and shut the worker down (--allow-unauthenticated)", args.host, args.port)
+    return None
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ the loaded heap, raise generation 0's threshold), as the server does after
 its start-up, so collections stay out of the steps. ExecuteModel decodes
 incoming steps on a reader thread, so decoding step N+1 overlaps the forward
 of step N, and answers them strictly in order.
+
+A second Initialize (the server reconnecting after it lost or timed out the
+worker) waits for the step in progress, then replaces the model and KV cache;
+streams opened before it stop at their next step, so a step the server
+abandoned can never touch the new state.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import grpc
 
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.worker.auth import WorkerSecretInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._gc_threshold = gc_threshold
         self._stop_event = stop_event or threading.Event()
         self._lock = threading.Lock()
+        # Held while a step runs; Initialize takes it to swap the worker.
+        self._step_lock = threading.Lock()
+        # Bumped by every Initialize; a stream serves only the one it started in.
+        self._generation = 0
         self._num_steps = 0
         self._busy = 0.0
         self._first_step: float | None = None
@@ -52,7 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         from tokenbudget.worker.worker import Worker
 
         cache_config, scheduler_config = convert.configs_from_proto(request)
-        with self._lock:
+        with self._lock, self._step_lock:
+            self._generation += 1
             if self.worker is not None:
                 self.worker.shutdown()
                 self.worker = None
@@ -71,7 +82,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitializeResponse(num_blocks=num_blocks)
 
     def ExecuteModel(self, request_iterator, context):
-        if self.worker is None:
+        with self._step_lock:
+            worker, generation = self.worker, self._generation
+        if worker is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "call Initialize first")
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_decode_into, args=(request_iterator, inbox), daemon=True,
@@ -84,7 +97,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 if isinstance(so, Exception):
                     raise so  # the step could not be decoded
-                out = self.worker.execute_model(so)
+                with self._step_lock:
+                    if self._generation != generation:
+                        return  # re-initialized: this stream's engine gave up on it
+                    out = worker.execute_model(so)
                 self._busy += time.perf_counter() - start
                 self._num_steps += 1
             except Exception as exc:  # reported to the engine, which fails the step
@@ -124,13 +140,17 @@ def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
 
 
 def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
-          gc_threshold: int = DEFAULT_GEN0_THRESHOLD) -> tuple[grpc.Server, int, threading.Event]:
+          gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
+          secret: str | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start a worker server; returns (server, bound port, stop event).
-    ``gc_threshold`` is generation 0's collector threshold once a model is loaded."""
+    ``gc_threshold`` is generation 0's collector threshold once a model is
+    loaded; with a ``secret`` every call must present it (worker/auth.py)."""
     if gc_threshold < 1:
         raise ValueError(f"gc_threshold must be >= 1, got {gc_threshold}")
     stop = threading.Event()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
+    interceptors = [WorkerSecretInterceptor(secret)] if secret else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors,
+                         options=[
         ("grpc.max_send_message_length", max_message_size),
         ("grpc.max_receive_message_length", max_message_size), NO_PORT_REUSE])
     worker_pb2_grpc.add_WorkerServicer_to_server(
@@ -140,13 +160,17 @@ def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
     return server, bound, stop
 
 
-def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
+def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
+              credentials: grpc.ServerCredentials | None = None) -> int:
     """Listen on host:port (0: a free port) with a server built with
-    NO_PORT_REUSE; returns the bound port. Raises BindError naming the address
-    and, when it can be found, the cause ("address already in use")."""
+    NO_PORT_REUSE, with TLS when ``credentials`` are given; returns the bound
+    port. Raises BindError naming the address and, when it can be found, the
+    cause ("address already in use")."""
     check_port_free(host, port)  # the cause, without gRPC's own error log line
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError:  # lost a race for the port; grpc says only "Failed to bind"
         bound = 0
     if bound == 0:

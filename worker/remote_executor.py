@@ -8,14 +8,21 @@ order and resolve the futures in order.
 Several ``--worker`` addresses run in lockstep: every worker gets every step
 and the first worker's output is the step's output (the seam where tensor
 parallel ranks would go); the KV cache size is the smallest any worker has.
-If a stream breaks (a worker died), every pending and later step fails with
-WorkerUnavailableError and the failure callbacks fire.
+If a stream breaks (a worker died) or a worker leaves a step unanswered for
+longer than ``step_timeout`` (it hangs), every pending and later step fails
+with WorkerUnavailableError and the failure callbacks fire. ``reinitialize``
+then reconnects (new channels), sends the same Initialize again and opens new
+streams: the engine calls it, with backoff, until the workers are back.
+
+With a ``secret``, every call carries ``authorization: Bearer <secret>``
+metadata, which workers started with ``--worker-secret-file`` require.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -60,6 +67,9 @@ class _Connection:
         self.pending: deque[_Step] = deque()
         self.decoder = convert.ModelRunnerOutputDecoder()
         self.reader: threading.Thread | None = None
+        # When the worker last answered, or was sent a step while idle: the
+        # watchdog measures how long the oldest pending step has been its turn.
+        self.waiting_since = 0.0
 
     def requests(self):
         while (msg := self.outbox.get()) is not _STOP:
@@ -69,42 +79,84 @@ class _Connection:
 class RemoteExecutor:
     def __init__(self, addresses: list[str], model: str, *, dtype: str = "auto",
                  device: str = "", attention_backend: str = "auto",
-                 max_message_size: int = 256 << 20, connect_timeout: float = 120.0) -> None:
+                 max_message_size: int = 256 << 20, connect_timeout: float = 120.0,
+                 step_timeout: float = 0.0, secret: str | None = None) -> None:
+        """``connect_timeout``: how long initialize waits for a worker to accept
+        the connection; ``step_timeout`` (seconds, 0 = never): a worker that
+        leaves a step unanswered that long is declared hung."""
         if not addresses:
             raise ValueError("RemoteExecutor needs at least one worker address (host:port)")
-        options = [("grpc.max_send_message_length", max_message_size),
-                   ("grpc.max_receive_message_length", max_message_size)]
-        self._conns = [_Connection(a, i, options) for i, a in enumerate(addresses)]
+        if step_timeout < 0:
+            raise ValueError(f"step_timeout must be >= 0, got {step_timeout}")
+        self._addresses = list(addresses)
+        self._options = [("grpc.max_send_message_length", max_message_size),
+                         ("grpc.max_receive_message_length", max_message_size)]
+        self._metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
+        self._conns: list[_Connection] = []
         self._init = worker_pb2.InitializeRequest(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend)
         self._connect_timeout = connect_timeout
+        self._step_timeout = step_timeout
         self._lock = threading.Lock()
         self._step_id = 0
         self._encoder = convert.SchedulerOutputEncoder()
         self._error: WorkerUnavailableError | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
+        self._closed = threading.Event()
 
     @property
     def addresses(self) -> list[str]:
-        return [c.address for c in self._conns]
+        return list(self._addresses)
 
     def add_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._failure_callbacks.append(callback)
 
     def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
-        msg = worker_pb2.InitializeRequest()
-        msg.CopyFrom(self._init)
-        convert.configs_to_proto(cache_config, scheduler_config, msg)
+        # Kept as sent: reinitialize asks the workers for the same configuration.
+        convert.configs_to_proto(cache_config, scheduler_config, self._init)
+        num_blocks = self._connect(self._connect_timeout)
+        if self._step_timeout:
+            threading.Thread(target=self._watch, daemon=True,
+                             name="tokenbudget-remote-watchdog").start()
+        return num_blocks
+
+    def reinitialize(self, connect_timeout: float = 2.0) -> int:
+        """After a failure: drop the old connections, reconnect to every worker
+        (a worker has ``connect_timeout`` seconds to accept the connection, then
+        as long as initialize allows to load the model), initialize it with the
+        same configuration and open new streams; returns the KV blocks the
+        workers now have. Raises WorkerUnavailableError if one cannot be
+        reached; the caller retries with backoff."""
+        self._close_connections()
+        num_blocks = self._connect(connect_timeout)
+        with self._lock:
+            self._error = None
+        logger.info("workers %s are back (%d KV blocks)", ", ".join(self._addresses), num_blocks)
+        return num_blocks
+
+    def _connect(self, connect_timeout: float) -> int:
+        conns = [_Connection(a, i, self._options) for i, a in enumerate(self._addresses)]
         num_blocks = []
-        for conn in self._conns:
-            try:
-                grpc.channel_ready_future(conn.channel).result(timeout=self._connect_timeout)
-                num_blocks.append(conn.stub.Initialize(msg).num_blocks)
-            except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
-                raise WorkerUnavailableError(
-                    f"worker {conn.address}: initialize failed ({_describe(exc)})") from None
-        for conn in self._conns:
-            stream = conn.stub.ExecuteModel(conn.requests())
+        try:
+            for conn in conns:
+                try:
+                    grpc.channel_ready_future(conn.channel).result(timeout=connect_timeout)
+                    # No deadline: loading a large model may take minutes.
+                    num_blocks.append(conn.stub.Initialize(
+                        self._init, metadata=self._metadata).num_blocks)
+                except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+                    raise WorkerUnavailableError(
+                        f"worker {conn.address}: initialize failed ({_describe(exc)})") from None
+        except WorkerUnavailableError:
+            for conn in conns:
+                conn.channel.close()
+            raise
+        with self._lock:
+            self._conns = conns
+            self._step_id = 0
+            self._encoder = convert.SchedulerOutputEncoder()  # request handles are per stream
+        for conn in conns:
+            stream = conn.stub.ExecuteModel(conn.requests(), metadata=self._metadata)
             conn.reader = threading.Thread(target=self._read, args=(conn, stream), daemon=True,
                                            name=f"tokenbudget-remote-{conn.rank}")
             conn.reader.start()
@@ -118,8 +170,11 @@ class RemoteExecutor:
                 return step.future
             self._step_id += 1
             msg = self._encoder.encode(scheduler_output, self._step_id)
+            now = time.monotonic()
             # Queue before sending, under the lock, so replies match in order.
             for conn in self._conns:
+                if not conn.pending:
+                    conn.waiting_since = now
                 conn.pending.append(step)
                 conn.outbox.put(msg)
         return step.future
@@ -128,16 +183,23 @@ class RemoteExecutor:
         if self._error is not None:
             return False
         try:
-            return all(c.stub.Health(worker_pb2.HealthRequest(), timeout=timeout).healthy
+            return all(c.stub.Health(worker_pb2.HealthRequest(), metadata=self._metadata,
+                                     timeout=timeout).healthy
                        for c in self._conns)
         except grpc.RpcError:
             return False
 
     def shutdown(self) -> None:
-        for conn in self._conns:
+        self._closed.set()
+        self._close_connections(join=True)
+
+    def _close_connections(self, join: bool = False) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
             conn.outbox.put(_STOP)
-        for conn in self._conns:
-            if conn.reader is not None:
+        for conn in conns:
+            if join and conn.reader is not None:
                 conn.reader.join(timeout=5)
             conn.channel.close()
 
@@ -150,6 +212,7 @@ class RemoteExecutor:
                 if reply.error:  # the step stays pending: _fail fails it with the rest
                     raise WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
                 step = conn.pending.popleft()
+                conn.waiting_since = time.monotonic()
                 if conn.rank == 0:
                     step.output = conn.decoder.decode(reply, step.req_ids)
                 with self._lock:
@@ -161,15 +224,30 @@ class RemoteExecutor:
             if exc.code() == grpc.StatusCode.CANCELLED and self._error is None and \
                     not conn.pending:
                 return  # our own shutdown
-            self._fail(WorkerUnavailableError(f"worker {conn.address}: {_describe(exc)}"))
+            self._fail(WorkerUnavailableError(f"worker {conn.address}: {_describe(exc)}"), conn)
         except WorkerUnavailableError as exc:
-            self._fail(exc)
+            self._fail(exc, conn)
         else:
             if conn.pending:  # the worker ended the stream with steps unanswered
-                self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"))
+                self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"),
+                           conn)
 
-    def _fail(self, exc: WorkerUnavailableError) -> None:
+    def _watch(self) -> None:
+        """Declare a worker hung when its oldest pending step has waited more
+        than step_timeout since the worker last answered."""
+        timeout = self._step_timeout
+        while not self._closed.wait(min(timeout / 4, 1.0)):
+            now = time.monotonic()
+            for conn in list(self._conns):
+                if conn.pending and now - conn.waiting_since > timeout:
+                    self._fail(WorkerUnavailableError(
+                        f"worker {conn.address} did not answer a step within "
+                        f"--worker-step-timeout={timeout:g} s (hung or overloaded)"), conn)
+
+    def _fail(self, exc: WorkerUnavailableError, conn: _Connection) -> None:
         with self._lock:
+            if conn not in self._conns:
+                return  # a connection reinitialize already replaced
             first = self._error is None
             if first:
                 self._error = exc

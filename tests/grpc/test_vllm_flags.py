@@ -50,8 +50,15 @@ REFUSED = [
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not supported: the "
      "token-budget scheduler always splits"),
     (["--max-num-partial-prefills", "4"], "max_num_partial_prefills=4 is not supported"),
-    (["--api-key", "secret"], "api_key is not supported: tokenbudget's gRPC server has no "
-     "authentication"),
+    (["--worker-secret-file", "/nonexistent/secret"], "--worker-secret-file needs --worker"),
+    (["--worker", "127.0.0.1:1", "--worker-secret-file", "/nonexistent/secret"],
+     "--worker-secret-file: cannot read /nonexistent/secret"),
+    (["--tls-cert", "/nonexistent/cert.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-client-ca", "/nonexistent/ca.pem"], "--tls-client-ca needs --tls-cert and "
+     "--tls-key"),
+    (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
+     "--tls-key: cannot read /nonexistent/k.pem"),
+    (["--max-concurrent-rpcs", "0"], "--max-concurrent-rpcs must be >= 1"),
     (["--revision", "v1", "--worker", "127.0.0.1:1"], "--revision with --worker is not supported"),
     (["--pooler-config", '{"pooling_type": "max"}'],
      "pooler_config.pooling_type must be one of LAST, MEAN, CLS, got 'max'"),

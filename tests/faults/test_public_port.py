@@ -1,0 +1,185 @@
+"""The public port under attack and under load: TLS, mutual TLS and the API
+key; a flood beyond --max-concurrent-rpcs and --max-queued-requests answered
+at once while health, stats and model info still answer; many streams
+cancelled at once; tenants' prefix caches kept apart by cache_salt; and, last
+(it stops the server), SIGTERM mid-stream draining every stream.
+
+After each fault the server has no request left and every KV block free.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tokenbudget.proto import generate_pb2, generate_pb2_grpc
+from tokenbudget.server.client import Client
+
+from .conftest import (API_KEY, MAX_QUEUED, MAX_RPCS, MAX_SEQS, assert_idle, health,
+                       wait_idle)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+LONG = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+# "At once": a refusal is not queued behind the work in flight.
+AT_ONCE = 2.0
+
+
+# -- authentication ------------------------------------------------------------------------
+@pytest.mark.parametrize("api_key", [None, "wrong-key"], ids=["no key", "wrong key"])
+def test_a_missing_or_wrong_api_key_is_unauthenticated_but_health_stays_open(faults, api_key):
+    with faults.public_client(api_key=api_key) as c:
+        for call in (lambda: c.generate("hi", max_tokens=2), c.model_info, c.stats,
+                     lambda: c.abort("someone-elses-id")):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization: Bearer <key>" in err.value.details()
+            assert API_KEY not in err.value.details()
+        assert health(c.channel) == SERVING  # orchestrators probe without the key
+    with faults.public_client() as c:
+        assert c.generate("hi", max_tokens=2, ignore_eos=True).completion_tokens == 2
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate_and_plaintext(faults):
+    if faults.tls is None:
+        pytest.skip("openssl is not on PATH: no certificates to serve TLS with")
+    for client in (Client(faults.public.address, api_key=API_KEY,
+                          root_certificates=faults.tls.ca),   # TLS, but no client certificate
+                   Client(faults.public.address, api_key=API_KEY)):  # plaintext
+        with client, pytest.raises(grpc.RpcError) as err:
+            client.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with faults.public_client() as c:  # the CA's client certificate
+        assert c.model_info().num_blocks == 512
+
+
+# -- limits --------------------------------------------------------------------------------
+def _open_streams(c: Client, count: int, **sampling) -> list:
+    """``count`` generation calls, sent (the server may not have them yet)."""
+    return [c.stub.Generate(_request(f"flood {i}", **sampling), metadata=c.metadata)
+            for i in range(count)]
+
+
+def _request(prompt: str, **sampling) -> generate_pb2.GenerateRequest:
+    from tokenbudget.core import SamplingParams
+    from tokenbudget.server.client import make_request
+
+    return make_request(prompt, SamplingParams(**sampling))
+
+
+def _refusals(c: Client, n: int) -> list[tuple[grpc.StatusCode, str, float]]:
+    """Send ``n`` generations at once; each one's status, details and seconds taken."""
+    def one(i: int):
+        start = time.monotonic()
+        try:
+            for _ in c.stub.Generate(_request(f"extra {i}", **LONG), metadata=c.metadata,
+                                     timeout=30):
+                pass
+            return grpc.StatusCode.OK, "", time.monotonic() - start
+        except grpc.RpcError as e:
+            return e.code(), e.details(), time.monotonic() - start
+
+    with futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_flood_beyond_max_concurrent_rpcs_is_refused_at_once_and_probes_answer(faults):
+    with faults.public_client() as c:
+        calls = _open_streams(c, MAX_RPCS, **LONG)
+        try:
+            _wait_for(lambda: c.stats().num_requests == MAX_RPCS)
+            s = c.stats()  # answered at the limit
+            assert (s.num_running, s.num_waiting) == (MAX_SEQS, MAX_RPCS - MAX_SEQS), s
+            refused = _refusals(c, 32)
+            assert {code for code, _, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert all(f"--max-concurrent-rpcs={MAX_RPCS}" in d for _, d, _ in refused)
+            assert max(t for _, _, t in refused) < AT_ONCE, refused
+            # Probes are not generations: answered while the limit is reached.
+            assert health(c.channel) == SERVING
+            assert c.model_info().max_model_len > 0
+            assert c.stats().num_requests == MAX_RPCS
+        finally:
+            # Many streams cancelled at once: every one of them frees its KV.
+            cancelled_at = time.monotonic()
+            for call in calls:
+                call.cancel()
+        assert_idle(wait_idle(c.stats))
+        assert time.monotonic() - cancelled_at < 10.0
+        assert all(call.code() == grpc.StatusCode.CANCELLED for call in calls)
+
+
+def test_flood_beyond_max_queued_requests_is_refused_at_once(faults):
+    with faults.public_client() as c:
+        running = _open_streams(c, 1, n=MAX_SEQS, **LONG)
+        queued = []
+        try:
+            _wait_for(lambda: c.stats().num_running == MAX_SEQS)
+            # One call whose MAX_QUEUED samples fill the waiting queue.
+            queued = _open_streams(c, 1, n=MAX_QUEUED, **LONG)
+            _wait_for(lambda: c.stats().num_waiting == MAX_QUEUED)
+            refused = _refusals(c, 4)
+            assert {code for code, _, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert all(f"max_queued_requests={MAX_QUEUED}" in d for _, d, _ in refused), refused
+            assert max(t for _, _, t in refused) < AT_ONCE, refused
+            assert health(c.channel) == SERVING
+        finally:
+            for call in running + queued:
+                call.cancel()
+        assert_idle(wait_idle(c.stats))
+
+
+def _wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+# -- tenants -------------------------------------------------------------------------------
+def test_cache_salt_keeps_tenants_prefix_caches_apart(faults):
+    prompt = "A shared system prompt that is long enough to fill some blocks. " * 3
+    params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with faults.public_client() as c:
+        first = c.generate(prompt, cache_salt="tenant-a", **params)
+        same = c.generate(prompt, cache_salt="tenant-a", **params)
+        other = c.generate(prompt, cache_salt="tenant-b", **params)
+        unsalted = c.generate(prompt, **params)
+    assert first.prompt_tokens > 32
+    assert first.cached_tokens == 0
+    # Every full block of the prompt but the last token's is a hit for the same salt.
+    assert same.cached_tokens == (first.prompt_tokens - 1) // 16 * 16
+    assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
+
+
+# -- the last test: it stops the server ------------------------------------------------------
+def test_sigterm_mid_stream_finishes_every_stream_then_exits_0(faults):
+    n, max_tokens = 8, 40
+    results: list = []
+    with faults.public_client() as c:
+        calls = [c.stub.Generate(_request(f"drain {i}", max_tokens=max_tokens, temperature=0,
+                                          ignore_eos=True), metadata=c.metadata)
+                 for i in range(n)]
+        firsts = [next(call) for call in calls]  # every stream is mid-way
+
+        def finish(call, first) -> None:
+            try:
+                msgs = [first, *call]
+                results.append((sum(len(m.token_ids) for m in msgs), msgs[-1].finish_reason))
+            except grpc.RpcError as e:
+                results.append((e.code(), e.details()))
+
+        threads = [threading.Thread(target=finish, args=a) for a in zip(calls, firsts)]
+        for t in threads:
+            t.start()
+        faults.public.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert results == [(max_tokens, "length")] * n  # no stream lost
+    assert faults.public.proc.wait(60) == 0
+    log = "".join(faults.public.log)
+    assert "Traceback" not in log and "leaked" not in log, log
