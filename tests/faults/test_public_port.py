@@ -29,6 +29,16 @@ LONG = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 AT_ONCE = 2.0
 
 
+def test_server_metrics_and_worker_listen_on_loopback_unless_told_otherwise():
+    from tokenbudget.server.cli import build_parser
+    from tokenbudget.worker.__main__ import build_parser as worker_parser
+
+    # The metrics port binds --host too (server/cli.py main).
+    assert build_parser().parse_args([]).host == "127.0.0.1"
+    assert build_parser().parse_args(["--host", "0.0.0.0"]).host == "0.0.0.0"
+    assert worker_parser().parse_args([]).host == "127.0.0.1"
+
+
 # -- authentication ------------------------------------------------------------------------
 @pytest.mark.parametrize("api_key", [None, "wrong-key"], ids=["no key", "wrong key"])
 def test_a_missing_or_wrong_api_key_is_unauthenticated_but_health_stays_open(faults, api_key):
