@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request message in bytes; larger ones get RESOURCE_EXHAUSTED "
                    "(default 64 MiB)")
     g.add_argument("--max-concurrent-rpcs", "--grpc-threads", type=int, default=512,
-                   help="the most generations (Generate calls, ours and the SGLang "
-                   "gateway's, and Embed calls) in flight; more are refused at once with RESOURCE_EXHAUSTED. "
+                   help="the most model calls (Generate, ours and the SGLang gateway's, and "
+                   "Embed) in flight; more are refused at once with RESOURCE_EXHAUSTED. "
                    "Health checks, GetStats and GetModelInfo are always answered (default "
                    "%(default)s; all streams share one asyncio event loop, --grpc-threads is "
                    "the old name)")
