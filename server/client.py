@@ -147,8 +147,8 @@ class Client:
               pooling_params: PoolingParams | None = None, *, request_id: str | None = None,
               priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
               timeout: float | None = None, **pooling) -> Embedding:
-        """The embedding of one prompt (text, token ids or ``{"prompt_token_ids":
-        [...]}``). ``pooling`` keywords (pooling_type, normalize) build a
+        """The embedding of one prompt (text, token ids, ``{"prompt_token_ids":
+        [...]}`` or ``{"text": ...}``). ``pooling`` keywords (pooling_type, normalize) build a
         PoolingParams; fields neither names take the model's default."""
         params = pooling_params or PoolingParams(**pooling)
         msg = generate_pb2.EmbedRequest(priority=priority)
@@ -156,13 +156,15 @@ class Client:
                             ("tenant", tenant)):
             if value is not None:
                 setattr(msg, name, value)
+        if isinstance(prompt, dict) and "text" in prompt:
+            prompt = prompt["text"]
         if isinstance(prompt, str):
             msg.text = prompt
         else:
             ids = prompt.get("prompt_token_ids", prompt.get("token_ids")) \
                 if isinstance(prompt, dict) else prompt
             if ids is None:
-                raise ValueError("prompt dict needs 'prompt_token_ids'")
+                raise ValueError("prompt dict needs 'prompt_token_ids' or 'text'")
             msg.token_ids.ids.extend(ids)
             msg.token_ids.SetInParent()
         convert.pooling_params_to_proto(params, msg.pooling_params)

@@ -63,10 +63,12 @@ def test_embed_equals_transformers_pooled_hidden_states(cluster, hf_base, long_p
 
 
 def test_text_embedding_uses_the_servers_tokenizer(client, oracle, hf_base):
-    out = client.embed("The quick brown fox jumps over the lazy dog", pooling_type="MEAN")
-    ids = oracle.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    text = "The quick brown fox jumps over the lazy dog"
+    out = client.embed(text, pooling_type="MEAN")
+    ids = oracle.tokenizer.encode(text)
     assert out.prompt_tokens == len(ids)
     assert close(out.embedding, pooled(hf_base, ids, "MEAN", True)) <= ATOL
+    assert client.embed({"text": text}, pooling_type="MEAN").embedding == out.embedding
 
 
 def test_embed_beside_streaming_generation(cluster, oracle, hf_base, long_prompt):
