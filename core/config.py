@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenbudget.core.spec_config import SpeculativeConfig
+
 POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "lof", "random", "slo")
 # SchedulerConfig fields of the SGLang-style policies, exposed as CLI flags and
 # LLM(...) keyword arguments under the same names.
@@ -14,6 +16,16 @@ POLICY_OPTIONS = (
     "priority_preemption_threshold", "max_queued_requests",
     "slo_reject_late", "slo_step_time_ms", "fair_share", "tenant_weights",
 )
+
+# Async scheduling plans step N+1 before step N's output is known; with drafts
+# that output decides how many tokens step N kept, hence where step N+1's
+# inputs start and which KV slots they write.
+ASYNC_SPEC_CONFLICT = (
+    "speculative_config does not combine with async_scheduling: the step scheduled "
+    "while another runs would have to guess how many of that step's drafts are "
+    "accepted (positions, KV slots and drafts all depend on it); turn async "
+    "scheduling off (--no-async-scheduling, async_scheduling=False), which is "
+    "the default when speculative_config is given")
 
 
 @dataclass(slots=True)
@@ -27,8 +39,8 @@ class SchedulerConfig:
     # Encoder (vision) compute budget per step and cache capacity, in embeddings.
     encoder_compute_budget: int = 8192
     encoder_cache_size: int = 8192
-    # Draft tokens per step for speculative decoding (0: off).
-    num_speculative_tokens: int = 0
+    # Speculative decoding (None: off); a dict or its JSON text is parsed.
+    speculative_config: SpeculativeConfig | None = None
     # Async (overlap) scheduling: one output placeholder per running request.
     async_scheduling: bool = False
     # -- SGLang-style policies (core/policy.py) --
@@ -80,6 +92,12 @@ class SchedulerConfig:
     tenant_weights: dict[str, float] | None = None
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """Draft slots per request and step (0: no speculative decoding)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    @property
     def use_admission_reserve(self) -> bool:
         if self.admission_reserve is None:
             return self.policy not in ("fcfs", "priority")
@@ -111,6 +129,9 @@ class SchedulerConfig:
             raise ValueError(f"slo_step_time_ms must be >= 0, got {self.slo_step_time_ms}")
         if self.encoder_cache_size < 0 or self.encoder_compute_budget < 0:
             raise ValueError("encoder_cache_size and encoder_compute_budget must be >= 0")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError(ASYNC_SPEC_CONFLICT)
 
 
 @dataclass(slots=True)

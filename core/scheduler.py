@@ -21,6 +21,7 @@ from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewR
 from tokenbudget.core.queue import create_queue
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.slo import FairShare, SLOOrder
+from tokenbudget.core.spec_stats import SpecDecodingStats
 from tokenbudget.core.stop import check_stop
 
 
@@ -41,6 +42,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     encoder_cache_usage: float
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -86,6 +88,7 @@ class Scheduler:
         # Sent to workers in the next SchedulerOutput so they drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_decoding_stats = SpecDecodingStats()
         self._pick_victim_from = make_victim_picker(scheduler_config)
         block_size = cache_config.block_size
         self._order = (WaitingOrder(scheduler_config, block_size)
@@ -204,7 +207,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
                               kv.prefix_queries, kv.prefix_hits, self.num_preemptions,
-                              self.encoder_cache_manager.usage())
+                              self.encoder_cache_manager.usage(),
+                              self.spec_decoding_stats.copy())
 
     # -- schedule -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -678,6 +682,7 @@ class Scheduler:
                 if scheduled:
                     # Rejected drafts were computed but are not part of the sequence.
                     req.num_computed_tokens -= len(scheduled) + 1 - len(new)
+                    self.spec_decoding_stats.observe(len(scheduled), len(new) - 1)
             if req.num_output_placeholders:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - len(new))
             status, kept = check_stop(req, new, max_model_len)

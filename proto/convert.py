@@ -17,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       PromptLogprobs, SchedulerOutput)
 from tokenbudget.core.pooling_params import PoolingParams
@@ -189,7 +190,8 @@ _CACHE_FIELDS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization"
 _CACHE_OPTIONAL = ("num_blocks", "kv_cache_memory_bytes")
 _SCHED_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                  "long_prefill_token_threshold", "policy", "encoder_compute_budget",
-                 "encoder_cache_size", "num_speculative_tokens", "async_scheduling")
+                 "encoder_cache_size", "async_scheduling")
+_SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def configs_to_proto(cache_config: CacheConfig, scheduler_config: SchedulerConfig,
@@ -201,13 +203,21 @@ def configs_to_proto(cache_config: CacheConfig, scheduler_config: SchedulerConfi
             setattr(out.cache_config, name, getattr(cache_config, name))
     for name in _SCHED_FIELDS:
         setattr(out.scheduler_config, name, getattr(scheduler_config, name))
+    spec = scheduler_config.speculative_config
+    if spec is not None:
+        for name in _SPEC_FIELDS:
+            setattr(out.scheduler_config.speculative_config, name, getattr(spec, name))
 
 
 def configs_from_proto(msg: worker_pb2.InitializeRequest) -> tuple[CacheConfig, SchedulerConfig]:
     cc = msg.cache_config
     cache = CacheConfig(**{n: getattr(cc, n) for n in _CACHE_FIELDS},
                         **{n: getattr(cc, n) if cc.HasField(n) else None for n in _CACHE_OPTIONAL})
-    sched = SchedulerConfig(**{n: getattr(msg.scheduler_config, n) for n in _SCHED_FIELDS})
+    sc = msg.scheduler_config
+    spec = None
+    if sc.HasField("speculative_config"):
+        spec = SpeculativeConfig(**{n: getattr(sc.speculative_config, n) for n in _SPEC_FIELDS})
+    sched = SchedulerConfig(**{n: getattr(sc, n) for n in _SCHED_FIELDS}, speculative_config=spec)
     return cache, sched
 
 

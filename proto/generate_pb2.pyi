@@ -134,7 +134,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "encoder_cache_usage", "num_generated_tokens", "healthy")
+    __slots__ = ("num_running", "num_waiting", "num_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "encoder_cache_usage", "num_generated_tokens", "healthy", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "spec_accepted_per_position")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,11 @@ class Stats(_message.Message):
     ENCODER_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_requests: int
@@ -159,7 +164,12 @@ class Stats(_message.Message):
     encoder_cache_usage: float
     num_generated_tokens: int
     healthy: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., encoder_cache_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_mean_accepted_length: float
+    spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., encoder_cache_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "pooling_params", "priority", "cache_salt", "tenant")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenbudget.proto import common_pb2 as tokenbudget_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokenbudget/v1/worker.proto\x12\x0etokenbudget.v1\x1a\x1btokenbudget/v1/common.proto\"\xd9\x01\n\x0b\x43\x61\x63heConfig\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x17\n\nnum_blocks\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x15\x65nable_prefix_caching\x18\x03 \x01(\x08\x12\"\n\x15kv_cache_memory_bytes\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x16gpu_memory_utilization\x18\x05 \x01(\x01\x12\x11\n\thash_algo\x18\x06 \x01(\tB\r\n\x0b_num_blocksB\x18\n\x16_kv_cache_memory_bytes\"\x8a\x02\n\x0fSchedulerConfig\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12$\n\x1clong_prefill_token_threshold\x18\x04 \x01(\x05\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x1e\n\x16\x65ncoder_compute_budget\x18\x06 \x01(\x05\x12\x1a\n\x12\x65ncoder_cache_size\x18\x07 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\x05\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\"\xca\x01\n\x11InitializeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12\x31\n\x0c\x63\x61\x63he_config\x18\x05 \x01(\x0b\x32\x1b.tokenbudget.v1.CacheConfig\x12\x39\n\x10scheduler_config\x18\x06 \x01(\x0b\x32\x1f.tokenbudget.v1.SchedulerConfig\"(\n\x12InitializeResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"i\n\x11MultiModalFeature\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12#\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x15.tokenbudget.v1.Value\"\xec\x02\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x01(\x0c\x12\x36\n\x0bmm_features\x18\x04 \x03(\x0b\x32!.tokenbudget.v1.MultiModalFeature\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.tokenbudget.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x06 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\x05\x12\x14\n\x07lora_id\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x35\n\x0epooling_params\x18\n \x01(\x0b\x32\x1d.tokenbudget.v1.PoolingParamsB\n\n\x08_lora_idB\x0f\n\r_eos_token_id\"Z\n\tRaggedIds\x12\x11\n\tnum_lists\x18\x01 \x01(\x05\x12\x0c\n\x04\x66lat\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x03 \x01(\x0c\x12\x0e\n\x06sparse\x18\x04 \x01(\x08\x12\x0c\n\x04rows\x18\x05 \x01(\x0c\"\x92\x02\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07handles\x18\x01 \x01(\x0c\x12\x30\n\rnew_block_ids\x18\x02 \x01(\x0b\x32\x19.tokenbudget.v1.RaggedIds\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x0c\x12N\n\x11resumed_token_ids\x18\x04 \x03(\x0b\x32\x33.tokenbudget.v1.CachedRequests.ResumedTokenIdsEntry\x1aP\n\x14ResumedTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIds:\x02\x38\x01\"\x92\x07\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x36\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32\x1a.tokenbudget.v1.NewRequest\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.tokenbudget.v1.CachedRequests\x12\x19\n\x11scheduled_handles\x18\x04 \x01(\x0c\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\x0c\x12\"\n\x1atotal_num_scheduled_tokens\x18\x06 \x01(\x05\x12\x64\n\x1cscheduled_spec_decode_tokens\x18\x07 \x03(\x0b\x32>.tokenbudget.v1.SchedulerOutput.ScheduledSpecDecodeTokensEntry\x12]\n\x18scheduled_encoder_inputs\x18\x08 \x03(\x0b\x32;.tokenbudget.v1.SchedulerOutput.ScheduledEncoderInputsEntry\x12 \n\x18num_common_prefix_blocks\x18\t \x01(\x05\x12\x18\n\x10\x66inished_handles\x18\n \x01(\x0c\x12\x19\n\x11preempted_handles\x18\x0b \x01(\x0c\x12\x1e\n\x16\x66ree_encoder_mm_hashes\x18\x0c \x03(\t\x12/\n\x0fgrammar_bitmask\x18\r \x01(\x0b\x32\x16.tokenbudget.v1.Tensor\x12\x1a\n\x12structured_handles\x18\x0e \x01(\x0c\x12\x1f\n\x17\x66inished_unsent_req_ids\x18\x0f \x03(\t\x12 \n\x18preempted_unsent_req_ids\x18\x10 \x03(\t\x12\x19\n\x11repeats_last_step\x18\x11 \x01(\x08\x1aZ\n\x1eScheduledSpecDecodeTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIds:\x02\x38\x01\x1aW\n\x1bScheduledEncoderInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIds:\x02\x38\x01\"Q\n\x0fRequestLogprobs\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12-\n\x06tokens\x18\x02 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\"\x94\x03\n\x11ModelRunnerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x34\n\x11sampled_token_ids\x18\x03 \x01(\x0b\x32\x19.tokenbudget.v1.RaggedIds\x12\x14\n\x0chas_logprobs\x18\x04 \x01(\x08\x12\x31\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1f.tokenbudget.v1.RequestLogprobs\x12\x19\n\x11has_pooler_output\x18\x06 \x01(\x08\x12,\n\rpooler_output\x18\x07 \x03(\x0b\x32\x15.tokenbudget.v1.Value\x12\x1a\n\x12has_spec_token_ids\x18\x08 \x01(\x08\x12\x31\n\x0espec_token_ids\x18\t \x01(\x0b\x32\x19.tokenbudget.v1.RaggedIds\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x37\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1e.tokenbudget.v1.PromptLogprobs\"_\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12.\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\"\x0f\n\rHealthRequest\"p\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x05 \x01(\x01\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xcd\x02\n\x06Worker\x12S\n\nInitialize\x12!.tokenbudget.v1.InitializeRequest\x1a\".tokenbudget.v1.InitializeResponse\x12V\n\x0c\x45xecuteModel\x12\x1f.tokenbudget.v1.SchedulerOutput\x1a!.tokenbudget.v1.ModelRunnerOutput(\x01\x30\x01\x12G\n\x06Health\x12\x1d.tokenbudget.v1.HealthRequest\x1a\x1e.tokenbudget.v1.HealthResponse\x12M\n\x08Shutdown\x12\x1f.tokenbudget.v1.ShutdownRequest\x1a .tokenbudget.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokenbudget/v1/worker.proto\x12\x0etokenbudget.v1\x1a\x1btokenbudget/v1/common.proto\"\xd9\x01\n\x0b\x43\x61\x63heConfig\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x17\n\nnum_blocks\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x15\x65nable_prefix_caching\x18\x03 \x01(\x08\x12\"\n\x15kv_cache_memory_bytes\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x16gpu_memory_utilization\x18\x05 \x01(\x01\x12\x11\n\thash_algo\x18\x06 \x01(\tB\r\n\x0b_num_blocksB\x18\n\x16_kv_cache_memory_bytes\"y\n\x11SpeculativeConfig\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x19\n\x11prompt_lookup_min\x18\x03 \x01(\x05\x12\x19\n\x11prompt_lookup_max\x18\x04 \x01(\x05\"\xcb\x02\n\x0fSchedulerConfig\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12$\n\x1clong_prefill_token_threshold\x18\x04 \x01(\x05\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x1e\n\x16\x65ncoder_compute_budget\x18\x06 \x01(\x05\x12\x1a\n\x12\x65ncoder_cache_size\x18\x07 \x01(\x05\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x12\x42\n\x12speculative_config\x18\n \x01(\x0b\x32!.tokenbudget.v1.SpeculativeConfigH\x00\x88\x01\x01\x42\x15\n\x13_speculative_configJ\x04\x08\x08\x10\t\"\xca\x01\n\x11InitializeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12\x31\n\x0c\x63\x61\x63he_config\x18\x05 \x01(\x0b\x32\x1b.tokenbudget.v1.CacheConfig\x12\x39\n\x10scheduler_config\x18\x06 \x01(\x0b\x32\x1f.tokenbudget.v1.SchedulerConfig\"(\n\x12InitializeResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"i\n\x11MultiModalFeature\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12#\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x15.tokenbudget.v1.Value\"\xec\x02\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x01(\x0c\x12\x36\n\x0bmm_features\x18\x04 \x03(\x0b\x32!.tokenbudget.v1.MultiModalFeature\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.tokenbudget.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x06 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\x05\x12\x14\n\x07lora_id\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x35\n\x0epooling_params\x18\n \x01(\x0b\x32\x1d.tokenbudget.v1.PoolingParamsB\n\n\x08_lora_idB\x0f\n\r_eos_token_id\"Z\n\tRaggedIds\x12\x11\n\tnum_lists\x18\x01 \x01(\x05\x12\x0c\n\x04\x66lat\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x03 \x01(\x0c\x12\x0e\n\x06sparse\x18\x04 \x01(\x08\x12\x0c\n\x04rows\x18\x05 \x01(\x0c\"\x92\x02\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07handles\x18\x01 \x01(\x0c\x12\x30\n\rnew_block_ids\x18\x02 \x01(\x0b\x32\x19.tokenbudget.v1.RaggedIds\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x0c\x12N\n\x11resumed_token_ids\x18\x04 \x03(\x0b\x32\x33.tokenbudget.v1.CachedRequests.ResumedTokenIdsEntry\x1aP\n\x14ResumedTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIds:\x02\x38\x01\"\x92\x07\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x36\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32\x1a.tokenbudget.v1.NewRequest\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.tokenbudget.v1.CachedRequests\x12\x19\n\x11scheduled_handles\x18\x04 \x01(\x0c\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\x0c\x12\"\n\x1atotal_num_scheduled_tokens\x18\x06 \x01(\x05\x12\x64\n\x1cscheduled_spec_decode_tokens\x18\x07 \x03(\x0b\x32>.tokenbudget.v1.SchedulerOutput.ScheduledSpecDecodeTokensEntry\x12]\n\x18scheduled_encoder_inputs\x18\x08 \x03(\x0b\x32;.tokenbudget.v1.SchedulerOutput.ScheduledEncoderInputsEntry\x12 \n\x18num_common_prefix_blocks\x18\t \x01(\x05\x12\x18\n\x10\x66inished_handles\x18\n \x01(\x0c\x12\x19\n\x11preempted_handles\x18\x0b \x01(\x0c\x12\x1e\n\x16\x66ree_encoder_mm_hashes\x18\x0c \x03(\t\x12/\n\x0fgrammar_bitmask\x18\r \x01(\x0b\x32\x16.tokenbudget.v1.Tensor\x12\x1a\n\x12structured_handles\x18\x0e \x01(\x0c\x12\x1f\n\x17\x66inished_unsent_req_ids\x18\x0f \x03(\t\x12 \n\x18preempted_unsent_req_ids\x18\x10 \x03(\t\x12\x19\n\x11repeats_last_step\x18\x11 \x01(\x08\x1aZ\n\x1eScheduledSpecDecodeTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIds:\x02\x38\x01\x1aW\n\x1bScheduledEncoderInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIds:\x02\x38\x01\"Q\n\x0fRequestLogprobs\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12-\n\x06tokens\x18\x02 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\"\x94\x03\n\x11ModelRunnerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x34\n\x11sampled_token_ids\x18\x03 \x01(\x0b\x32\x19.tokenbudget.v1.RaggedIds\x12\x14\n\x0chas_logprobs\x18\x04 \x01(\x08\x12\x31\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1f.tokenbudget.v1.RequestLogprobs\x12\x19\n\x11has_pooler_output\x18\x06 \x01(\x08\x12,\n\rpooler_output\x18\x07 \x03(\x0b\x32\x15.tokenbudget.v1.Value\x12\x1a\n\x12has_spec_token_ids\x18\x08 \x01(\x08\x12\x31\n\x0espec_token_ids\x18\t \x01(\x0b\x32\x19.tokenbudget.v1.RaggedIds\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x37\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1e.tokenbudget.v1.PromptLogprobs\"_\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12.\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\"\x0f\n\rHealthRequest\"p\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x05 \x01(\x01\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xcd\x02\n\x06Worker\x12S\n\nInitialize\x12!.tokenbudget.v1.InitializeRequest\x1a\".tokenbudget.v1.InitializeResponse\x12V\n\x0c\x45xecuteModel\x12\x1f.tokenbudget.v1.SchedulerOutput\x1a!.tokenbudget.v1.ModelRunnerOutput(\x01\x30\x01\x12G\n\x06Health\x12\x1d.tokenbudget.v1.HealthRequest\x1a\x1e.tokenbudget.v1.HealthResponse\x12M\n\x08Shutdown\x12\x1f.tokenbudget.v1.ShutdownRequest\x1a .tokenbudget.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,42 +40,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEROUTPUT_SCHEDULEDENCODERINPUTSENTRY']._serialized_options = b'8\001'
   _globals['_CACHECONFIG']._serialized_start=77
   _globals['_CACHECONFIG']._serialized_end=294
-  _globals['_SCHEDULERCONFIG']._serialized_start=297
-  _globals['_SCHEDULERCONFIG']._serialized_end=563
-  _globals['_INITIALIZEREQUEST']._serialized_start=566
-  _globals['_INITIALIZEREQUEST']._serialized_end=768
-  _globals['_INITIALIZERESPONSE']._serialized_start=770
-  _globals['_INITIALIZERESPONSE']._serialized_end=810
-  _globals['_MULTIMODALFEATURE']._serialized_start=812
-  _globals['_MULTIMODALFEATURE']._serialized_end=917
-  _globals['_NEWREQUEST']._serialized_start=920
-  _globals['_NEWREQUEST']._serialized_end=1284
-  _globals['_RAGGEDIDS']._serialized_start=1286
-  _globals['_RAGGEDIDS']._serialized_end=1376
-  _globals['_CACHEDREQUESTS']._serialized_start=1379
-  _globals['_CACHEDREQUESTS']._serialized_end=1653
-  _globals['_CACHEDREQUESTS_RESUMEDTOKENIDSENTRY']._serialized_start=1573
-  _globals['_CACHEDREQUESTS_RESUMEDTOKENIDSENTRY']._serialized_end=1653
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1656
-  _globals['_SCHEDULEROUTPUT']._serialized_end=2570
-  _globals['_SCHEDULEROUTPUT_SCHEDULEDSPECDECODETOKENSENTRY']._serialized_start=2391
-  _globals['_SCHEDULEROUTPUT_SCHEDULEDSPECDECODETOKENSENTRY']._serialized_end=2481
-  _globals['_SCHEDULEROUTPUT_SCHEDULEDENCODERINPUTSENTRY']._serialized_start=2483
-  _globals['_SCHEDULEROUTPUT_SCHEDULEDENCODERINPUTSENTRY']._serialized_end=2570
-  _globals['_REQUESTLOGPROBS']._serialized_start=2572
-  _globals['_REQUESTLOGPROBS']._serialized_end=2653
-  _globals['_MODELRUNNEROUTPUT']._serialized_start=2656
-  _globals['_MODELRUNNEROUTPUT']._serialized_end=3060
-  _globals['_PROMPTLOGPROBS']._serialized_start=3062
-  _globals['_PROMPTLOGPROBS']._serialized_end=3157
-  _globals['_HEALTHREQUEST']._serialized_start=3159
-  _globals['_HEALTHREQUEST']._serialized_end=3174
-  _globals['_HEALTHRESPONSE']._serialized_start=3176
-  _globals['_HEALTHRESPONSE']._serialized_end=3288
-  _globals['_SHUTDOWNREQUEST']._serialized_start=3290
-  _globals['_SHUTDOWNREQUEST']._serialized_end=3307
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=3309
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=3327
-  _globals['_WORKER']._serialized_start=3330
-  _globals['_WORKER']._serialized_end=3663
+  _globals['_SPECULATIVECONFIG']._serialized_start=296
+  _globals['_SPECULATIVECONFIG']._serialized_end=417
+  _globals['_SCHEDULERCONFIG']._serialized_start=420
+  _globals['_SCHEDULERCONFIG']._serialized_end=751
+  _globals['_INITIALIZEREQUEST']._serialized_start=754
+  _globals['_INITIALIZEREQUEST']._serialized_end=956
+  _globals['_INITIALIZERESPONSE']._serialized_start=958
+  _globals['_INITIALIZERESPONSE']._serialized_end=998
+  _globals['_MULTIMODALFEATURE']._serialized_start=1000
+  _globals['_MULTIMODALFEATURE']._serialized_end=1105
+  _globals['_NEWREQUEST']._serialized_start=1108
+  _globals['_NEWREQUEST']._serialized_end=1472
+  _globals['_RAGGEDIDS']._serialized_start=1474
+  _globals['_RAGGEDIDS']._serialized_end=1564
+  _globals['_CACHEDREQUESTS']._serialized_start=1567
+  _globals['_CACHEDREQUESTS']._serialized_end=1841
+  _globals['_CACHEDREQUESTS_RESUMEDTOKENIDSENTRY']._serialized_start=1761
+  _globals['_CACHEDREQUESTS_RESUMEDTOKENIDSENTRY']._serialized_end=1841
+  _globals['_SCHEDULEROUTPUT']._serialized_start=1844
+  _globals['_SCHEDULEROUTPUT']._serialized_end=2758
+  _globals['_SCHEDULEROUTPUT_SCHEDULEDSPECDECODETOKENSENTRY']._serialized_start=2579
+  _globals['_SCHEDULEROUTPUT_SCHEDULEDSPECDECODETOKENSENTRY']._serialized_end=2669
+  _globals['_SCHEDULEROUTPUT_SCHEDULEDENCODERINPUTSENTRY']._serialized_start=2671
+  _globals['_SCHEDULEROUTPUT_SCHEDULEDENCODERINPUTSENTRY']._serialized_end=2758
+  _globals['_REQUESTLOGPROBS']._serialized_start=2760
+  _globals['_REQUESTLOGPROBS']._serialized_end=2841
+  _globals['_MODELRUNNEROUTPUT']._serialized_start=2844
+  _globals['_MODELRUNNEROUTPUT']._serialized_end=3248
+  _globals['_PROMPTLOGPROBS']._serialized_start=3250
+  _globals['_PROMPTLOGPROBS']._serialized_end=3345
+  _globals['_HEALTHREQUEST']._serialized_start=3347
+  _globals['_HEALTHREQUEST']._serialized_end=3362
+  _globals['_HEALTHRESPONSE']._serialized_start=3364
+  _globals['_HEALTHRESPONSE']._serialized_end=3476
+  _globals['_SHUTDOWNREQUEST']._serialized_start=3478
+  _globals['_SHUTDOWNREQUEST']._serialized_end=3495
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=3497
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=3515
+  _globals['_WORKER']._serialized_start=3518
+  _globals['_WORKER']._serialized_end=3851
 # @@protoc_insertion_point(module_scope)

@@ -23,8 +23,20 @@ class CacheConfig(_message.Message):
     hash_algo: str
     def __init__(self, block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., hash_algo: _Optional[str] = ...) -> None: ...
 
+class SpeculativeConfig(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ...) -> None: ...
+
 class SchedulerConfig(_message.Message):
-    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold", "policy", "encoder_compute_budget", "encoder_cache_size", "num_speculative_tokens", "async_scheduling")
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold", "policy", "encoder_compute_budget", "encoder_cache_size", "async_scheduling", "speculative_config")
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -32,8 +44,8 @@ class SchedulerConfig(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     ENCODER_COMPUTE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
@@ -41,9 +53,9 @@ class SchedulerConfig(_message.Message):
     policy: str
     encoder_compute_budget: int
     encoder_cache_size: int
-    num_speculative_tokens: int
     async_scheduling: bool
-    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., policy: _Optional[str] = ..., encoder_compute_budget: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., async_scheduling: _Optional[bool] = ...) -> None: ...
+    speculative_config: SpeculativeConfig
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., policy: _Optional[str] = ..., encoder_compute_budget: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., speculative_config: _Optional[_Union[SpeculativeConfig, _Mapping]] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
     __slots__ = ("model", "dtype", "device", "attention_backend", "cache_config", "scheduler_config")

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbudget.core.engine import EngineCore
@@ -65,6 +65,12 @@ class EngineStats:
     encoder_cache_usage: float
     num_generated_tokens: int
     healthy: bool
+    # Speculative decoding (core/spec_stats.py), since start.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_accepted_length: float = 0.0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -538,5 +544,10 @@ class AsyncEngine:
             num_total_blocks=self.core.scheduler.cache_config.num_blocks - 1,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, encoder_cache_usage=s.encoder_cache_usage,
-            num_generated_tokens=self._num_generated_tokens, healthy=self.healthy)
+            num_generated_tokens=self._num_generated_tokens, healthy=self.healthy,
+            spec_num_drafts=s.spec_decoding.num_drafts,
+            spec_num_draft_tokens=s.spec_decoding.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_decoding.num_accepted_tokens,
+            spec_mean_accepted_length=s.spec_decoding.mean_accepted_length,
+            spec_accepted_per_position=s.spec_decoding.accepted_per_position)
 

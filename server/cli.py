@@ -184,9 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's name, which has fcfs and priority; slo orders by the requests' "
                    "TTFT deadlines)")
     g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
-                   default=True, help="schedule step N+1 while step N runs (the default, for "
+                   default=None, help="schedule step N+1 while step N runs (the default, for "
                    "server and LLM alike: the same tokens, and the worker never waits for the "
-                   "scheduler)")
+                   "scheduler; off by default with --speculative-config, which it does not "
+                   "combine with)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="schedule step N+1 only after step N returned")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -200,8 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoder-cache-size", type=int, default=8192,
                    help="vision encoder embeddings kept for requests that still need them "
                    "(default %(default)s)")
-    g.add_argument("--num-speculative-tokens", type=int, default=0,
-                   help="draft tokens per step for speculative decoding; 0 = off (default)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, as in vLLM: a JSON object such as "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (n-gram prompt "
+                   "lookup, the one method here; drafts are verified so outputs keep the "
+                   "model's distribution). Default: off")
 
     g = p.add_argument_group("scheduling policy (SGLang-style)")
     g.add_argument("--max-queued-requests", type=int, default=0,
@@ -380,10 +385,10 @@ def build_engine(args: argparse.Namespace, metrics=None):
                                         tokenizer_eos_token_id=input_processor.eos_token_id)
     # Loading the weights takes seconds to minutes: a taken port fails first.
     check_port_free(args.host, args.port)
-    executor = _make_executor(args, model)
+    executor = _make_executor(args, model, engine_args.use_async_scheduling)
     core = EngineCore(scheduler_config, cache_config, executor)
     logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
-                cache_config.block_size, "on" if args.async_scheduling else "off")
+                cache_config.block_size, "on" if engine_args.use_async_scheduling else "off")
     return AsyncEngine(core, input_processor, metrics, model_name=model,
                        served_model_name=args.served_model_name,
                        sampling_defaults=defaults.sampling, eos_token_ids=defaults.eos_token_ids,
@@ -402,7 +407,7 @@ def _trace_recorder(args: argparse.Namespace, block_size: int):
     return TraceRecorder(block_size)
 
 
-def _make_executor(args: argparse.Namespace, model: str):
+def _make_executor(args: argparse.Namespace, model: str, async_scheduling: bool):
     if args.worker:
         from tokenbudget.worker.auth import read_secret_file
         from tokenbudget.worker.remote_executor import RemoteExecutor
@@ -421,7 +426,7 @@ def _make_executor(args: argparse.Namespace, model: str):
                     attention_backend=args.attention_backend,
                     trust_remote_code=args.trust_remote_code, revision=args.revision,
                     kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
-    return InProcessExecutor(worker, async_mode=args.async_scheduling)
+    return InProcessExecutor(worker, async_mode=async_scheduling)
 
 
 def serve(args: argparse.Namespace, engine) -> int:

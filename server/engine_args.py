@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
+from tokenbudget.core.config import (ASYNC_SPEC_CONFLICT, POLICY_OPTIONS, CacheConfig,
+                                     SchedulerConfig)
+from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolerConfig
 
 logger = logging.getLogger("tokenbudget.server")
@@ -75,13 +77,14 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     # On for LLM and server alike: step N+1 is scheduled while step N runs
-    # (same tokens as off; the server measured it faster).
-    async_scheduling: bool = True
+    # (same tokens as off; the server measured it faster). None: on, except
+    # with speculative decoding, which it does not combine with.
+    async_scheduling: bool | None = None
     # Vision encoder budget per step and encoder cache size, in embeddings.
     encoder_compute_budget: int = 8192
     encoder_cache_size: int = 8192
-    # Draft tokens per step for speculative decoding (0: off).
-    num_speculative_tokens: int = 0
+    # Speculative decoding, vLLM's dict (or its JSON text); None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     grammar_compile_timeout_s: float = 30.0
     # The SGLang-style options of SchedulerConfig (core.config.POLICY_OPTIONS).
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -150,8 +153,18 @@ class EngineArgs:
         PoolerConfig.overrides(self.pooler_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            raise UnsupportedArgument("async_scheduling with speculative_config",
+                                      ASYNC_SPEC_CONFLICT.split(": ", 1)[1])
         if self.enforce_eager:
             logger.debug("enforce_eager: tokenbudget never captures CUDA graphs (always eager)")
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return self.speculative_config is None
+        return self.async_scheduling
 
     def max_logprobs_for(self, vocab_size: int) -> int:
         return vocab_size if self.max_logprobs == -1 else self.max_logprobs
@@ -184,8 +197,8 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
             encoder_compute_budget=self.encoder_compute_budget,
             encoder_cache_size=self.encoder_cache_size,
-            num_speculative_tokens=self.num_speculative_tokens,
-            async_scheduling=self.async_scheduling, **self.policy_options)
+            speculative_config=self.speculative_config,
+            async_scheduling=self.use_async_scheduling, **self.policy_options)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(

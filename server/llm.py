@@ -128,7 +128,7 @@ class LLM:
             tokenizer_eos_token_id=self.input_processor.eos_token_id)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
         self.pooler_config = load_pooler_config(model, args.pooler_config, revision=args.revision)
-        self.executor = InProcessExecutor(worker, async_mode=args.async_scheduling)
+        self.executor = InProcessExecutor(worker, async_mode=args.use_async_scheduling)
         # Cheap until a structured request arrives (xgrammar loads then).
         self.structured_output = StructuredOutputManager(
             self.input_processor.tokenizer, runner.vocab_size,

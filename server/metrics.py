@@ -33,7 +33,8 @@ class EngineMetrics:
         self.interval = interval
         self.stats_logger = StatsLogger(log_interval, log_requests=log_requests)
         self._last = 0.0
-        self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0,
+                                      "draft_tokens": 0, "accepted": 0}
         r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Any:
@@ -61,6 +62,21 @@ class EngineMetrics:
                               "Mean time between output tokens of a request.", _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
                              _LATENCY_BUCKETS)
+        # Speculative decoding (vLLM's spec_decode_* names).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verification steps with drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self.spec_mean_length = gauge("spec_decode_mean_accepted_length",
+                                      "Tokens per verification step (accepted drafts + 1), "
+                                      "since start.")
+        self._spec_per_position = Counter(
+            "tokenbudget:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.", ["model_name", "position"],
+            registry=r)
+        self._model_name = model_name
+        self._seen_per_position: list[int] = []
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -100,9 +116,25 @@ class EngineMetrics:
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
         for key, counter, value in (("queries", self.prefix_queries, queries),
                                     ("hits", self.prefix_hits, hits),
-                                    ("preemptions", self.preemptions, stats.num_preemptions)):
+                                    ("preemptions", self.preemptions, stats.num_preemptions),
+                                    ("drafts", self.spec_drafts, stats.spec_num_drafts),
+                                    ("draft_tokens", self.spec_draft_tokens,
+                                     stats.spec_num_draft_tokens),
+                                    ("accepted", self.spec_accepted,
+                                     stats.spec_num_accepted_tokens)):
             if value < self._seen[key]:  # a fresh scheduler (workers reconnected) counts from 0
                 self._seen[key] = 0
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value
+        self.spec_mean_length.set(stats.spec_mean_accepted_length)
+        seen = self._seen_per_position
+        for position, value in enumerate(stats.spec_accepted_per_position):
+            if position == len(seen):
+                seen.append(0)
+            if value < seen[position]:  # a fresh scheduler counts from 0
+                seen[position] = 0
+            if value > seen[position]:
+                self._spec_per_position.labels(self._model_name, str(position)).inc(
+                    value - seen[position])
+                seen[position] = value

@@ -29,6 +29,7 @@ from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, lo
 from tokenbudget.worker.pooler import Pooler
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
+from tokenbudget.worker.spec_decode import NgramProposer, SeedRewind, num_accepted
 from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
                                        is_vision_model, merge_multimodal_embeddings)
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.batch: InputBatch | None = None
         self.block_size = 0
+        self.proposer: NgramProposer | None = None
         # Seconds spent per phase, for benchmarks (reset freely).
         self.timings: dict[str, float] = defaultdict(float)
 
@@ -151,6 +153,10 @@ class ModelRunner:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes "
                              "(need at least 2); raise kv_cache_memory or num_gpu_blocks")
         self.block_size = bs
+        spec = scheduler_config.speculative_config
+        if spec is not None:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max)
         self.kv_caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
                                             self.dtype, self.device)
         self.batch = InputBatch(scheduler_config.max_num_seqs,
@@ -249,16 +255,20 @@ class ModelRunner:
         if prompt_rows is not None:
             prompt_logprobs = prompt_rows.logprobs(logits[len(logits_idx):])
             logits = logits[:len(logits_idx)]
-        sampled_rows, ids, lps = self._sample(so, step, logits)
+        sampled_rows, ids, lps, rewind = self._sample(so, step, logits)
         t3 = time.perf_counter()
-        out = self._make_output(so, step, sampled_rows, ids, lps)
+        out = self._make_output(so, step, sampled_rows, ids, lps, rewind, logits.shape[-1])
         out.prompt_logprobs = prompt_logprobs
         out.pooler_output = pooled
         t4 = time.perf_counter()
+        if self.proposer is not None:
+            out.spec_token_ids = self._propose(step)
+        t5 = time.perf_counter()
         self.timings["prep"] += t1 - t0
         self.timings["forward"] += t2 - t1
         self.timings["sample"] += t3 - t2
         self.timings["output"] += t4 - t3
+        self.timings["propose"] += t5 - t4
         return out
 
     def _prepare(self, so: SchedulerOutput) -> _Step:
@@ -346,11 +356,13 @@ class ModelRunner:
         return out.logits[0]
 
     def _sample(self, so: SchedulerOutput, step: _Step, logits: torch.Tensor):
-        """Returns (request index per logits row, token ids, logprob (ids, values) or None)."""
+        """Returns (request index per logits row, token ids, logprob (ids, values) or None,
+        the seeded generators to rewind after verification)."""
         samplers = np.flatnonzero(step.samples)
         row_req = np.repeat(samplers, step.num_drafts[samplers] + 1)
+        rewind = SeedRewind()
         if len(row_req) == 0:
-            return row_req, [], None
+            return row_req, [], None, rewind
         states = [self.requests[step.req_ids[i]] for i in row_req]
         if so.grammar_bitmask is not None:
             self._apply_grammar(so, step, row_req, logits)
@@ -358,12 +370,17 @@ class ModelRunner:
                                                 [s.generator for s in states], self.device,
                                                 self._token_history(step, row_req, states),
                                                 [s.eos_token_id for s in states])
+        for row, generator in metadata.generators.items():
+            # Seeded random rows only: greedy rows draw nothing.
+            i = int(row_req[row])
+            if step.num_drafts[i] and (row == 0 or row_req[row - 1] != i):
+                rewind.save(i, generator)
         result = self.sampler(logits.float(), metadata)
         ids = result.sampled_token_ids.tolist()
         lps = None
         if result.logprobs is not None:
             lps = (result.logprobs_token_ids.tolist(), result.logprobs.tolist())
-        return row_req, ids, lps
+        return row_req, ids, lps, rewind
 
     def _token_history(self, step: _Step, row_req: np.ndarray,
                        states: list[RequestState]) -> TokenHistory:
@@ -413,37 +430,50 @@ class ModelRunner:
         logits.index_copy_(0, dst_t, rows)
 
     def _make_output(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray, ids: list[int],
-                     lps) -> ModelRunnerOutput:
+                     lps, rewind: SeedRewind, vocab: int) -> ModelRunnerOutput:
         batch = self.batch
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list | None = None
         if lps is not None:
             logprobs = [None] * len(step.req_ids)
+        samplers = np.flatnonzero(step.samples)
+        num_rows = step.num_drafts[samplers] + 1
+        num_kept = num_rows
+        if len(samplers) and step.num_drafts[samplers].any():
+            drafts = np.full(len(row_req), -1, np.int64)
+            first = np.cumsum(num_rows) - num_rows
+            for i, j in zip(samplers, first):
+                n = int(step.num_drafts[i])
+                if n:
+                    drafts[j:j + n] = so.scheduled_spec_decode_tokens[step.req_ids[i]]
+            num_kept = num_accepted(np.asarray(ids), drafts, num_rows) + 1
         j = 0
-        while j < len(row_req):
-            i = int(row_req[j])
-            n = int(step.num_drafts[i]) + 1
-            tokens = ids[j:j + n]
-            if n > 1:
-                # Sample-and-match verification: each row's token is a draw from
-                # the target model given the drafts before it, so keeping drafts
-                # while they equal those draws (plus the first differing draw)
-                # is exact for greedy and random sampling alike.
-                drafts = so.scheduled_spec_decode_tokens[step.req_ids[i]]
-                accepted = 0
-                while accepted < n - 1 and drafts[accepted] == tokens[accepted]:
-                    accepted += 1
-                tokens = tokens[:accepted + 1]
+        for i, n, kept in zip(samplers.tolist(), num_rows.tolist(), num_kept.tolist()):
+            tokens = ids[j:j + kept]
+            if rewind:
+                rewind.rewind(i, n, kept, (vocab,), self.device)
             sampled[i] = tokens
             batch.append_tokens(int(step.rows[i]), tokens)
             state = self.requests[step.req_ids[i]]
             if lps is not None and state.sampling_params.logprobs is not None:
                 width = state.sampling_params.logprobs + 1
                 logprobs[i] = [dict(zip(lps[0][j + t][:width], lps[1][j + t][:width]))
-                               for t in range(len(tokens))]
+                               for t in range(kept)]
             j += n
         return ModelRunnerOutput(step.req_ids, {r: i for i, r in enumerate(step.req_ids)},
                                  sampled, logprobs)
+
+    def _propose(self, step: _Step) -> list[list[int]]:
+        """Drafts for the next step of each request that sampled this step."""
+        samplers = np.flatnonzero(step.samples)
+        drafts: list[list[int]] = [[] for _ in step.req_ids]
+        rows = step.rows[samplers]
+        batch = self.batch
+        proposals = self.proposer.propose(batch.token_ids, rows,
+                                          np.minimum(batch.num_tokens[rows], batch.max_model_len))
+        for i, d in zip(samplers.tolist(), proposals):
+            drafts[i] = d
+        return drafts
 
 
 class _VisionInputs:

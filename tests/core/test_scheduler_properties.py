@@ -36,7 +36,7 @@ def scheduler_configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         encoder_compute_budget=draw(st.sampled_from([20, 32, 64])),
         encoder_cache_size=draw(st.sampled_from([20, 40, 64])),
-        num_speculative_tokens=spec,
+        speculative_config={"method": "ngram", "num_speculative_tokens": spec} if spec else None,
     )
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                         enable_prefix_caching=draw(st.booleans()))

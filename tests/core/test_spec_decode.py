@@ -6,7 +6,8 @@ DRAFTS = [101, 102, 103]
 
 
 def _drafting_scheduler(make_scheduler, make_request, **sampling):
-    s = make_scheduler(num_speculative_tokens=3, block_size=4)
+    s = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                       block_size=4)
     s.add_request(make_request("r", 8, **sampling))
     return s, s.requests["r"]
 

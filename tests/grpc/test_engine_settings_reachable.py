@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
+from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.server import cli
 from tokenbudget.server.engine_args import EngineArgs
 
@@ -19,7 +20,13 @@ ENGINE_ARG = {"num_blocks": "num_gpu_blocks", "kv_cache_memory_bytes": "kv_cache
 OTHER_VALUE = {"policy": "lpm", "preemption_mode": "retract", "hash_algo": "xxhash",
                "tenant_weights": {"a": 2.0}, "num_blocks": 64,
                "kv_cache_memory_bytes": 1 << 20, "admission_reserve": True,
-               "gpu_memory_utilization": 0.5}
+               "gpu_memory_utilization": 0.5,
+               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+               # Async scheduling is on by default (without speculative decoding).
+               "async_scheduling": False}
+# The value a setting holds in its config when given as in OTHER_VALUE, where they differ.
+IN_CONFIG = {"speculative_config": SpeculativeConfig("ngram", 3, 2, 4)}
 
 FIELDS = [(config, f) for config in (SchedulerConfig, CacheConfig)
           for f in dataclasses.fields(config)]
@@ -60,10 +67,11 @@ def _configs(args: EngineArgs):
 def test_every_engine_setting_is_a_flag_and_an_llm_keyword_that_reaches_the_config(config, f):
     name = ENGINE_ARG.get(f.name, f.name)
     value = _other_value(f)
+    expected = IN_CONFIG.get(f.name, value)
     from_kwargs = EngineArgs.from_kwargs("m", **{name: value})
-    assert getattr(_configs(from_kwargs)[config], f.name) == value
+    assert getattr(_configs(from_kwargs)[config], f.name) == expected
     ns = cli.build_parser().parse_args(_argv(name, value))
-    assert getattr(_configs(EngineArgs.from_cli_args(ns))[config], f.name) == value
+    assert getattr(_configs(EngineArgs.from_cli_args(ns))[config], f.name) == expected
 
 
 def test_policy_options_are_scheduler_config_fields():
@@ -72,8 +80,12 @@ def test_policy_options_are_scheduler_config_fields():
 
 
 def test_llm_and_server_share_one_async_scheduling_default_on():
-    assert EngineArgs().async_scheduling is True
-    assert cli.build_parser().parse_args([]).async_scheduling is True
+    # On unless speculative decoding is asked for (which it does not combine with).
+    assert EngineArgs().use_async_scheduling is True
+    assert EngineArgs.from_cli_args(cli.build_parser().parse_args([])).use_async_scheduling
+    spec = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    spec.check()
+    assert spec.use_async_scheduling is False
     assert "default" in next(a.help for a in cli.build_parser()._actions
                              if a.dest == "async_scheduling" and a.option_strings[0]
                              == "--async-scheduling")

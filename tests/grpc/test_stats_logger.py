@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -24,6 +24,11 @@ class Stats:  # the fields of async_engine.EngineStats the line reads
     encoder_cache_usage: float = 0.0
     num_generated_tokens: int = 0
     healthy: bool = True
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_accepted_length: float = 0.0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass

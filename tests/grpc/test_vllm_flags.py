@@ -41,6 +41,17 @@ SETTINGS = [
      == ("slo", True, 12.5)),
     (["--fair-share", "--tenant-weights", '{"gold": 4, "free": 1}'],
      lambda s: s.sched.fair_share and s.sched.tenant_weights == {"gold": 4.0, "free": 1.0}),
+    # Speculative decoding (issue 13): vLLM's JSON; async scheduling goes off by default.
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+      '"prompt_lookup_min": 2, "prompt_lookup_max": 5}'],
+     lambda s: (s.sched.num_speculative_tokens, s.sched.speculative_config.prompt_lookup_min,
+                s.sched.speculative_config.prompt_lookup_max, s.sched.async_scheduling)
+     == (4, 2, 5, False)),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+      '"prompt_lookup_max": 4}', "--no-async-scheduling"],
+     lambda s: (s.sched.speculative_config.prompt_lookup_min, s.sched.async_scheduling)
+     == (4, False)),
+    ([], lambda s: s.sched.speculative_config is None and s.sched.async_scheduling is True),
 ]
 
 # Flags refused before anything loads: (argv, the reason's words).
@@ -64,6 +75,25 @@ REFUSED = [
      "pooler_config.pooling_type must be one of LAST, MEAN, CLS, got 'max'"),
     (["--override-pooler-config", '{"dimensions": 8}'],
      "pooler_config.dimensions: not supported (only pooling_type and normalize)"),
+    # Bad speculative configs name the field (issue 13).
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+     "speculative_config.method must be one of 'ngram', got 'eagle'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}'],
+     "speculative_config: unknown key 'model'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+      '"prompt_lookup_min": 4, "prompt_lookup_max": 2}'],
+     "speculative_config.prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "speculative_config.num_speculative_tokens must be >= 1, got 0"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": "4"}'],
+     "speculative_config.num_speculative_tokens must be an integer, got '4'"),
+    (["--speculative-config", '{"method": "ngram"}'],
+     "speculative_config.num_speculative_tokens is required"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2'],
+     "speculative_config is not valid JSON"),
+    (["--speculative-config", '[2]'], "speculative_config must be a dict"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+      "--async-scheduling"], "async_scheduling with speculative_config is not supported"),
 ]
 
 
@@ -125,6 +155,23 @@ def test_llm_keywords_take_the_same_names_and_aliases():
         EngineArgs.from_kwargs("m", kv_cache_dtype="fp8")
     assert EngineArgs.from_kwargs("m", override_pooler_config={"normalize": False}) \
         .pooler_config == {"normalize": False}
+
+
+def test_llm_takes_speculative_config_as_a_dict_and_checks_it():
+    args = EngineArgs.from_kwargs("m", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
+    sched = args.scheduler_config(64)
+    assert (sched.num_speculative_tokens, sched.speculative_config.prompt_lookup_max,
+            sched.async_scheduling) == (2, 1, False)
+    with pytest.raises(ValueError, match="speculative_config.prompt_lookup_max must be >= 1"):
+        EngineArgs.from_kwargs("m", speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 0})
+    with pytest.raises(ValueError, match="async_scheduling with speculative_config"):
+        EngineArgs.from_kwargs("m", async_scheduling=True, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(TypeError, match="unknown engine argument 'num_speculative_tokens'"):
+        EngineArgs.from_kwargs("m", num_speculative_tokens=2)
 
 
 # Flags that act when the model loads, checked on one engine built with all of
