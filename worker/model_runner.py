@@ -29,7 +29,8 @@ from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, lo
 from tokenbudget.worker.pooler import Pooler
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
-from tokenbudget.worker.spec_decode import NgramProposer, SeedRewind, num_accepted
+from tokenbudget.worker.spec_decode import (NgramProposer, SeedRewind, aligned_drafts,
+                                            num_accepted)
 from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
                                        is_vision_model, merge_multimodal_embeddings)
 
@@ -440,12 +441,8 @@ class ModelRunner:
         num_rows = step.num_drafts[samplers] + 1
         num_kept = num_rows
         if len(samplers) and step.num_drafts[samplers].any():
-            drafts = np.full(len(row_req), -1, np.int64)
-            first = np.cumsum(num_rows) - num_rows
-            for i, j in zip(samplers, first):
-                n = int(step.num_drafts[i])
-                if n:
-                    drafts[j:j + n] = so.scheduled_spec_decode_tokens[step.req_ids[i]]
+            spec = so.scheduled_spec_decode_tokens
+            drafts = aligned_drafts(num_rows, [spec.get(step.req_ids[i]) for i in samplers])
             num_kept = num_accepted(np.asarray(ids), drafts, num_rows) + 1
         j = 0
         for i, n, kept in zip(samplers.tolist(), num_rows.tolist(), num_kept.tolist()):

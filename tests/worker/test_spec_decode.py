@@ -83,10 +83,13 @@ SAMPLED = [
     SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, top_p=0.9, seed=4,
                    ignore_eos=True),
     SamplingParams(max_tokens=NUM_TOKENS, temperature=0.6, min_p=0.1, seed=5,
-                   repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1,
+                   repetition_penalty=1.3, frequency_penalty=1.0, presence_penalty=0.1,
                    ignore_eos=True),
     SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=6, ignore_eos=True,
                    logit_bias={100: 2.0}),
+    # EOS masked on rows (draft rows too) with fewer than min_tokens outputs before them.
+    SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=7, min_tokens=30,
+                   stop_token_ids=[101], logit_bias={101: 5.0}),
 ]
 
 
@@ -94,7 +97,7 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_qwen
                                                                        prompts):
     """The verification step draws row t from the randomness a plain step would use for
     that output position, and rewinds the request's generator past rejected rows."""
-    batch = token_prompts(prompts[:4]) * 2
+    batch = token_prompts(prompts[:5]) * 2
     params = SAMPLED + [SamplingParams(**{**_fields(p), "seed": p.seed + 10}) for p in SAMPLED]
     plain = make_llm(tiny_qwen3_path, spec=None).generate(batch, params)
     llm = make_llm(tiny_qwen3_path)
@@ -110,7 +113,8 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_qwen
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in (
         "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
-        "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")}
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+        "min_tokens", "stop_token_ids")}
 
 
 def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path):

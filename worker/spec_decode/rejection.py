@@ -39,6 +39,17 @@ def num_accepted(sampled: np.ndarray, drafts: np.ndarray, num_rows: np.ndarray) 
     return np.minimum.reduceat(position, starts) - starts
 
 
+def aligned_drafts(num_rows: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
+    """The draft each row verifies, for ``num_accepted``: request i's drafts (``num_rows[i]
+    - 1`` of them) then -1 on its last row."""
+    aligned = np.full(int(num_rows.sum()), -1, np.int64)
+    first = np.cumsum(num_rows) - num_rows
+    for j, d in zip(first.tolist(), drafts):
+        if d:
+            aligned[j:j + len(d)] = d
+    return aligned
+
+
 class SeedRewind:
     """Seeded requests that verify drafts: their generators' states before the
     step, to set them back to "after one draw per emitted token"."""
