@@ -15,6 +15,7 @@ POLICY_OPTIONS = (
     "min_new_token_ratio", "new_token_ratio_decay", "reserve_clip_tokens", "preemption_mode",
     "priority_preemption_threshold", "max_queued_requests",
     "slo_reject_late", "slo_step_time_ms", "fair_share", "tenant_weights",
+    "fair_share_chunk_cap",
 )
 
 # Async scheduling plans step N+1 before step N's output is known; with drafts
@@ -90,6 +91,11 @@ class SchedulerConfig:
     # 1.0 for a tenant not listed). Works with every policy but priority.
     fair_share: bool = False
     tenant_weights: dict[str, float] | None = None
+    # fair_share: while other tenants have work, a tenant's prompt tokens in one
+    # step are capped at its weighted share of max_num_batched_tokens, so its
+    # long prefills cannot stretch the step (and the others' decodes). Not work
+    # conserving: the share the others leave unused stays unused that step.
+    fair_share_chunk_cap: bool = True
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -65,6 +65,8 @@ class _Step:
     preempted: list[Request] = field(default_factory=list)
     # Preempted by a higher-priority waiting request (admission still runs).
     displaced: list[Request] = field(default_factory=list)
+    # Fair share: prompt tokens each tenant may still get this step (or None).
+    tenant_caps: dict[str | None, int] | None = None
 
 
 class Scheduler:
@@ -224,6 +226,9 @@ class Scheduler:
             self._preempt_for_priority(step)
         elif self._fair is not None and self.waiting:
             self._preempt_for_fair_share(step)
+        if self._fair is not None and cfg.fair_share_chunk_cap:
+            step.tenant_caps = self._fair.chunk_caps(self.running, self.waiting,
+                                                     cfg.max_num_batched_tokens)
         self._schedule_running(step)
         # A step that had to preempt is out of memory: admitting now would
         # only preempt again next step.
@@ -253,14 +258,20 @@ class Scheduler:
         max_model_len = cfg.max_model_len
         lookahead = cfg.num_speculative_tokens
         running = self.running
+        # policy slo: decodes, then prompt chunks by deadline slack (a copy).
+        order = running if self._slo is None else self._slo.chunk_order(running, self.clock())
         num_scheduled = step.num_scheduled
         scheduled_reqs = step.cached_reqs
         new_block_ids = step.new_block_ids
         budget = step.token_budget
+        caps = step.tenant_caps
+        is_running = RequestStatus.RUNNING
         i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        while i < len(order) and budget > 0:
+            req = order[i]
             i += 1
+            if req.status is not is_running:
+                continue  # a victim preempted earlier this step (``order`` is a copy)
             placeholders = req.num_output_placeholders
             if placeholders and \
                     len(req.output_token_ids) + placeholders >= req.max_tokens:
@@ -274,6 +285,11 @@ class Scheduler:
                 num_new = budget
             if num_new > max_model_len - computed:
                 num_new = max_model_len - computed
+            # A prompt chunk (more than one known token to compute) counts
+            # against its tenant's share; decodes are never held back.
+            chunk = caps is not None and len(req.all_token_ids) - computed > 1
+            if chunk and num_new > caps[req.tenant]:
+                num_new = caps[req.tenant]
             encoder_inputs = None
             if req.mm_features:
                 encoder_inputs, num_new = self._try_schedule_encoder_inputs(
@@ -285,7 +301,7 @@ class Scheduler:
                 step.token_budget = budget
                 while True:
                     victim = self._pick_victim()
-                    if self._preempt(victim, step) < i:
+                    if self._preempt(victim, step) < i and order is running:
                         i -= 1
                     if victim is req:
                         break
@@ -299,6 +315,8 @@ class Scheduler:
             rid = req.request_id
             num_scheduled[rid] = num_new
             budget -= num_new
+            if chunk:
+                caps[req.tenant] -= num_new
             scheduled_reqs.append(req)
             new_block_ids[rid] = new_ids
             if req.spec_token_ids:
@@ -324,10 +342,12 @@ class Scheduler:
                 self._fair.order(waiting, self.running)
         reserve = self._reserve
         reserved = reserve.reserve_blocks(self.running) if reserve is not None else 0.0
+        caps = step.tenant_caps
         skipped: list[Request] = []
         while waiting and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = waiting.peek()
-            if deprioritized and req.request_id in deprioritized:
+            if deprioritized and req.request_id in deprioritized or \
+                    caps is not None and caps[req.tenant] <= 0:
                 skipped.append(waiting.pop())
                 continue
             if req.status == RequestStatus.WAITING_FOR_FSM:
@@ -342,6 +362,8 @@ class Scheduler:
                 num_new = threshold
             if num_new > step.token_budget:
                 num_new = step.token_budget
+            if caps is not None and num_new > caps[req.tenant]:
+                num_new = caps[req.tenant]
             encoder_inputs = None
             if req.mm_features:
                 encoder_inputs, num_new = self._try_schedule_encoder_inputs(
@@ -372,6 +394,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             step.num_scheduled[req.request_id] = num_new
             step.token_budget -= num_new
+            if caps is not None:
+                caps[req.tenant] -= num_new
             if encoder_inputs:
                 self._commit_encoder_inputs(req, encoder_inputs, step)
         for req in reversed(skipped):

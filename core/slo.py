@@ -9,6 +9,12 @@
   request that can still make it, or is refused at once
   (``slo_reject_late``). Aging keeps that from starving anyone: a request
   waiting longer than ``aging_bound_s`` goes first, in arrival order.
+  Running requests get the step's tokens decodes first (their next token is
+  due within a TPOT), then prompt chunks by slack, least first: the time
+  left to the TTFT deadline minus the steps the rest of the prompt needs. A
+  request admitted late with a close deadline thus gets its chunk before an
+  earlier one with time to spare; one that will miss its deadline anyway
+  goes last, with those that have none.
 - ``FairShare`` (``fair_share``): weighted fair queueing over tenants. A
   tenant's virtual time is the tokens scheduled for it divided by its weight;
   the admission order interleaves tenants, each time taking the next request
@@ -18,7 +24,11 @@
   virtual time of the busy ones, so idling banks no credit. When the seats
   (``max_num_seqs``) or KV blocks are full, a tenant below its weighted share
   of the seats takes one back from the tenant furthest above its share
-  (preempting that tenant's latest admitted request).
+  (preempting that tenant's latest admitted request). While other tenants
+  have work, a tenant's prompt tokens per step are capped at its weighted
+  share of the step's token budget (``fair_share_chunk_cap``): the step time
+  its prefills add, and so the others' time per output token, is bounded by
+  its share.
 """
 from __future__ import annotations
 
@@ -38,6 +48,9 @@ class SLOOrder:
         self.aging_s = config.aging_bound_s
         self.reject_late = config.slo_reject_late
         self.budget = config.max_num_batched_tokens
+        # The most tokens one request's chunk gets in a step.
+        threshold = config.long_prefill_token_threshold
+        self.max_chunk = threshold if 0 < threshold < self.budget else self.budget
         self.fixed_step_s = config.slo_step_time_ms / 1000.0
         # Learned step time: the time between two schedule() calls with
         # requests running across both (otherwise the gap may hold idle time).
@@ -64,6 +77,29 @@ class SLOOrder:
         if req.ttft_ms is None:
             return math.inf
         return req.arrival_time + req.ttft_ms / 1000.0
+
+    def chunk_order(self, running: list[Request], now: float) -> list[Request]:
+        """The order ``running`` gets this step's tokens in: decodes in
+        running order, then prompt chunks by slack (ties: running order).
+        ``running`` itself when every request decodes."""
+        decodes: list[Request] = []
+        chunks: list[tuple[float, int, Request]] = []
+        max_chunk, step_s = self.max_chunk, self.step_s
+        for i, r in enumerate(running):
+            left = len(r.all_token_ids) - r.num_computed_tokens
+            if left > 1:
+                due = self.deadline(r)
+                slack = due - now - -(-left // max_chunk) * step_s
+                if slack < 0 and due != -math.inf:
+                    # Late anyway: serving it first would only make others late too.
+                    slack = math.inf
+                chunks.append((slack, i, r))
+            else:
+                decodes.append(r)
+        if not chunks:
+            return running
+        chunks.sort(key=lambda c: (c[0], c[1]))
+        return decodes + [r for _, _, r in chunks]
 
     def reorder(self, waiting: FCFSQueue, now: float, num_decoding: int) -> list[Request]:
         """Order ``waiting`` for this step; return the late requests when they
@@ -111,6 +147,18 @@ class FairShare:
 
     def charge(self, tenant: str | None, num_tokens: int) -> None:
         self.vtime[tenant] = self.vtime.get(tenant, 0.0) + num_tokens / self.weight(tenant)
+
+    def chunk_caps(self, running: list[Request], waiting: FCFSQueue,
+                   budget: int) -> dict[str | None, int] | None:
+        """Per tenant with work (running or waiting), the prompt tokens it
+        may get this step: its weighted share of ``budget``, at least 1.
+        None when fewer than two tenants have work."""
+        tenants = {r.tenant for r in running}
+        tenants.update(r.tenant for r in waiting)
+        if len(tenants) < 2:
+            return None
+        total = sum(self.weight(t) for t in tenants)
+        return {t: max(int(budget * self.weight(t) / total), 1) for t in tenants}
 
     def seats(self, running: list[Request], newcomer: str | None,
               max_num_seqs: int) -> dict[str | None, float]:

@@ -268,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenant-weights", type=_tenant_weights, default=None, metavar="JSON",
                    help='--fair-share weights, e.g. \'{"gold": 4, "free": 1}\' (a tenant not '
                    "listed weighs 1)")
+    g.add_argument("--fair-share-chunk-cap", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="--fair-share: while other tenants have work, cap a tenant's prompt "
+                   "tokens per step at its weighted share of --max-num-batched-tokens, so its "
+                   "long prefills do not slow the others' decodes (default on)")
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block "

@@ -126,3 +126,69 @@ def test_slo_step_time_ignores_idle_gaps(make_scheduler, make_request, run_to_co
     run = run_to_completion(sched, check=tick)
     assert run.finish_reasons == {"second": "length"}
     assert sched._slo.step_s == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("cap", [True, False])
+def test_fair_share_caps_a_tenants_prompt_tokens_per_step_at_its_share(
+        make_scheduler, make_request, run_to_completion, cap):
+    # Budget 256 and b weighs 3: while b has work, a's prompt tokens per step
+    # are capped at 256 * 1 / (1 + 3) = 64, first chunk (admission) included.
+    sched = make_scheduler(fair_share=True, fair_share_chunk_cap=cap, tenant_weights={"b": 3.0},
+                           max_num_batched_tokens=256)
+    for i in range(3):
+        b = make_request(f"b{i}", 8, max_tokens=30)
+        b.tenant = "b"
+        sched.add_request(b)
+    a = make_request("a", 3000, max_tokens=2)
+    a.tenant = "a"
+    sched.add_request(a)
+    run = run_to_completion(sched)
+    with_b = [s["a"] for s in run.schedules if "a" in s and any(r.startswith("b") for r in s)]
+    alone = [s["a"] for s in run.schedules if "a" in s and not any(r.startswith("b") for r in s)]
+    # b's decodes are never held back: one token a step from admission to the end.
+    assert sum(1 for s in run.schedules if "b0" in s) == 30
+    assert len(run.finish_reasons) == 4
+    if cap:
+        assert with_b == [64] * 30  # b's 30 steps
+        assert max(alone) == 256  # alone, a gets the whole budget again
+    else:
+        assert max(with_b) > 64
+
+
+def test_fair_share_chunk_cap_needs_two_tenants_with_work(make_scheduler, make_request, step):
+    sched = make_scheduler(fair_share=True, max_num_batched_tokens=256)
+    for i in range(2):
+        r = make_request(f"a{i}", 400, max_tokens=2)
+        r.tenant = "a"
+        sched.add_request(r)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a0": 256}  # one tenant: no share to keep
+    b = make_request("b0", 400, max_tokens=2)
+    b.tenant = "b"
+    sched.add_request(b)
+    so, _ = step(sched)
+    # Equal weights: a's running prompt gets its half; b's first chunk the other.
+    assert so.num_scheduled_tokens == {"a0": 128, "b0": 128}
+
+
+def test_slo_chunk_order_decodes_then_least_slack_then_late(make_scheduler, make_request,
+                                                             step):
+    # 100 ms steps, 64-token chunks: slack = deadline - now - chunks left x 0.1 s.
+    sched = make_scheduler(policy="slo", slo_step_time_ms=100.0, max_num_batched_tokens=64)
+    sched.clock = lambda: 10.0
+    specs = {"loose": (640, 5000.0), "none": (640, None), "tight": (128, 500.0),
+             "late": (640, 200.0), "decode": (4, None)}
+    reqs = {}
+    for rid, (n, ttft) in specs.items():
+        reqs[rid] = req = make_request(rid, n, max_tokens=8, arrival=10.0)
+        req.ttft_ms = ttft
+    resumed = make_request("resumed", 640, max_tokens=8, arrival=10.0)
+    resumed.output_token_ids.append(1)  # has output: its next token is due now
+    running = [reqs["loose"], reqs["none"], reqs["late"], resumed, reqs["tight"], reqs["decode"]]
+    reqs["decode"].num_computed_tokens = 3
+    order = sched._slo.chunk_order(running, 10.0)
+    # tight: 10.5 - 10 - 2 x 0.1 = 0.3 s; loose: 5 - 1 = 4 s; late: 0.2 - 1 < 0 (last,
+    # with "none", in running order).
+    assert [r.request_id for r in order] == ["decode", "resumed", "tight", "loose", "none",
+                                             "late"]
+    assert sched._slo.chunk_order([reqs["decode"]], 10.0) == [reqs["decode"]]

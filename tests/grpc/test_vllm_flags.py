@@ -41,6 +41,9 @@ SETTINGS = [
      == ("slo", True, 12.5)),
     (["--fair-share", "--tenant-weights", '{"gold": 4, "free": 1}'],
      lambda s: s.sched.fair_share and s.sched.tenant_weights == {"gold": 4.0, "free": 1.0}),
+    (["--fair-share"], lambda s: s.sched.fair_share_chunk_cap is True),
+    (["--fair-share", "--no-fair-share-chunk-cap"],
+     lambda s: s.sched.fair_share_chunk_cap is False),
     # Speculative decoding (issue 13): vLLM's JSON; async scheduling goes off by default.
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
       '"prompt_lookup_min": 2, "prompt_lookup_max": 5}'],

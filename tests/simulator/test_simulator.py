@@ -10,6 +10,7 @@ import pytest
 
 from tokenbudget.core import CacheConfig, EngineCore, Request, SamplingParams, SchedulerConfig
 from tokenbudget.core.kv.hashing import BlockHasher
+from tokenbudget.core.slo import SLOOrder
 from tokenbudget.worker.simulator import (GPU_DEFAULT_CONSTANTS, CostConstants, CostModel,
                                           SimClock, SimulatedExecutor, TraceRecorder,
                                           TraceRequest, get_hardware, get_model, load_trace,
@@ -219,3 +220,42 @@ def test_recorded_trace_replays_with_the_same_prefix_sharing(tmp_path):
     assert res.summary["finished"] == 40
     # The 8 system-prompt blocks hit for all but the first request.
     assert res.summary["prefix_hit_rate"] > 0.6
+
+
+def test_fair_share_chunk_cap_bounds_the_other_tenants_tpot():
+    # A floods 16k-token prompts faster than the replica serves them (A stays
+    # backlogged); B chats. B weighs 7, so while B has work A's prompt tokens
+    # per step are capped at 8192 / 8 = 1024. Stated bound: B's TPOT is at
+    # most one step holding A's whole share (at A's full context) plus B's
+    # decodes, which is under 6x B alone.
+    a = [TraceRequest(t, 16000, 4, tenant="A") for t in poisson_arrivals(40, 4.0, seed=2)]
+    b = [TraceRequest(t, 200, 100, tenant="B")
+         for t in poisson_arrivals(20, 2.0, seed=1, start=1.0)]
+    kw = dict(max_num_batched_tokens=8192, max_model_len=32768, cache={"num_blocks": 40000})
+    fair = dict(kw, fair_share=True, tenant_weights={"B": 7.0})
+    alone = _sim(b, **kw).summary["tpot_ms"]["p99"]
+    bound_ms = 1000 * CostModel(MODEL, HW, GPU_DEFAULT_CONSTANTS).step_time(
+        [(1024, 16000)] + [(1, 300)] * len(b))
+    assert bound_ms < 6 * alone
+    capped = _sim(merge(a, b), **fair).summary
+    uncapped = _sim(merge(a, b), fair_share_chunk_cap=False, **fair).summary
+    assert capped["tenants"]["B"]["tpot_ms"]["p99"] <= bound_ms
+    # Without the cap A's 8k-token chunks stretch B's steps far past it.
+    assert uncapped["tenants"]["B"]["tpot_ms"]["p99"] > 3 * bound_ms
+    assert capped["finished"] == uncapped["finished"] == 60  # A is slowed, not starved
+
+
+def test_slo_policy_gives_the_least_slack_prompt_its_chunk_first(monkeypatch):
+    # A long prompt with time to spare is mid-prefill (768-token chunks of a
+    # 1024 budget) when a short one with a 100 ms TTFT target arrives and
+    # gets the 256 left. In running order it would get 256 a step and miss;
+    # least slack first, it gets 768 and makes it, the long one losing ~a step.
+    trace = [TraceRequest(0.0, 6000, 4, ttft_ms=60000), TraceRequest(0.05, 1000, 4, ttft_ms=100)]
+    kw = dict(max_num_batched_tokens=1024, long_prefill_token_threshold=768)
+    slack = np.array(_sim(trace, policy="slo", **kw).ttft_s) * 1000
+    fcfs = np.array(_sim(trace, **kw).ttft_s) * 1000
+    monkeypatch.setattr(SLOOrder, "chunk_order", lambda self, running, now: running)
+    running_order = np.array(_sim(trace, policy="slo", **kw).ttft_s) * 1000
+    assert slack[1] <= 100 < running_order[1]
+    assert fcfs.tolist() == running_order.tolist()  # fcfs keeps the running order
+    assert slack[0] - running_order[0] < 10

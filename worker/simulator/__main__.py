@@ -78,6 +78,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     scheduler = dict(max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      policy=args.policy, fair_share=args.fair_share,
+                     fair_share_chunk_cap=not args.no_fair_share_chunk_cap,
                      slo_reject_late=args.reject_late,
                      long_prefill_token_threshold=args.long_prefill_token_threshold)
     cache = dict(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--router", default="round-robin", choices=ROUTERS)
     s.add_argument("--policy", default="fcfs", choices=POLICIES)
     s.add_argument("--fair-share", action="store_true")
+    s.add_argument("--no-fair-share-chunk-cap", action="store_true",
+                   help="--fair-share: let a tenant's prompt chunks take more than its "
+                   "weighted share of a step's token budget")
     s.add_argument("--reject-late", action="store_true",
                    help="policy slo: refuse requests that cannot meet their TTFT")
     s.add_argument("--ttft-ms", type=float, default=None, help="TTFT target (SLO)")

@@ -310,6 +310,7 @@ def _summarize(trace, replicas, first, finish, n_out, refused, wall, ttft_ms, tp
             sel = (labels == t) & done
             per[t] = {"finished": int(sel.sum()),
                       "ttft_ms": {k: v * 1000 for k, v in _pct(ttft[sel]).items()},
+                      "tpot_ms": {k: v * 1000 for k, v in _pct(tpot[sel & multi]).items()},
                       "goodput_req_s": float((met & (labels == t)).sum()) / duration}
         summary["tenants"] = per
     return SimResult(summary, [r.kv_usage for r in replicas],
