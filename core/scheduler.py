@@ -692,6 +692,13 @@ class Scheduler:
                     finished_running |= self._finish_pooling(req)
                     outputs.append(RequestOutput(rid, [], "stop", None, req.num_cached_tokens,
                                                  pooling_output=pooled[i]))
+                elif new:  # a worker that knows no pooling sampled instead: fail, not hang
+                    finished_running |= self._finish_pooling(req, RequestStatus.FINISHED_ABORTED)
+                    req.stop_reason = "the worker does not support pooling requests"
+                    outputs.append(RequestOutput(
+                        rid, [], "abort", None, req.num_cached_tokens, req.stop_reason,
+                        RuntimeError(f"request {rid}: {req.stop_reason} (it returned a token, "
+                                     "not a vector); upgrade the worker")))
                 continue
             plp = None
             if prompt_logprobs is not None and rid in prompt_logprobs:
@@ -735,13 +742,14 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    def _finish_pooling(self, req: Request) -> bool:
+    def _finish_pooling(self, req: Request,
+                        status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> bool:
         """Free a pooling request whose vector came back; True if it was running."""
         req.num_output_placeholders = 0
         running = req.status == RequestStatus.RUNNING
         if not running:  # async: preempted while its last chunk was in flight
             self.waiting.remove_requests([req])
-        self._free_request(req, RequestStatus.FINISHED_STOPPED)
+        self._free_request(req, status)
         return running
 
     @staticmethod

@@ -99,6 +99,21 @@ def test_async_never_schedules_past_the_prompt(make_scheduler, fake_model):
     assert "emb" not in s.requests
 
 
+def test_a_worker_that_samples_instead_of_pooling_fails_the_request(make_scheduler, step,
+                                                                    fake_model):
+    """A worker that ignores pooling_params (an older one) samples a token
+    when the prompt completes: the request fails with the reason, rather than
+    waiting forever for a vector, and frees its blocks."""
+    s = make_scheduler(block_size=4)
+    s.add_request(pooling_request("emb", list(range(10))))
+    _, outs = step(s, fake_model())
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outs] == \
+        [("emb", "abort", [])]
+    assert "does not support pooling" in str(outs[0].error)
+    assert not s.requests and not s.running
+    s.kv_cache_manager.block_pool.check_invariants()
+
+
 def test_pooling_params_are_checked_on_the_request():
     with pytest.raises(ValueError, match="must be resolved"):
         Request("r", [1, 2], None, pooling_params=PoolingParams("MEAN"))
