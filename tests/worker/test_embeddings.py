@@ -100,11 +100,18 @@ def test_default_pooling_is_last_token_normalised_for_a_decoder(chunky_llm, prom
     assert_close(result.embedding, hf_embed(prompts[4], "LAST", True))
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"async_scheduling": False},
+    {"async_scheduling": True},
+    {"async_scheduling": False, "speculative_config": NGRAM},  # drafts beside pooling
+], ids=["sync", "async", "ngram-drafts"])
 def test_embeddings_share_steps_with_greedy_generation(tiny_qwen3_path, prompts, hf_embed,
-                                                       hf_greedy, async_scheduling):
-    llm = make_llm(tiny_qwen3_path, max_num_batched_tokens=48,
-                   async_scheduling=async_scheduling)
+                                                       hf_greedy, engine_args):
+    llm = make_llm(tiny_qwen3_path, max_num_batched_tokens=48, **engine_args)
     log = StepLog(llm)
     gen_prompts, emb_prompts = prompts[2:5], prompts[3:8]
     engine = llm.engine
@@ -138,6 +145,8 @@ def test_embeddings_share_steps_with_greedy_generation(tiny_qwen3_path, prompts,
                             if any(k.startswith("emb") for k in s)
                             and any(k.startswith("gen") and n == 1 for k, n in s.items())]
     assert decodes_with_pooling
+    if "speculative_config" in engine_args:  # drafts were verified while pooling ran
+        assert llm.engine.scheduler.make_stats().spec_decoding.num_draft_tokens > 0
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1  # nothing leaked
 
