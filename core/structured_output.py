@@ -3,7 +3,8 @@ packed bitmask per step.
 
 A request with ``SamplingParams.structured`` is handed to the manager on
 arrival. Its grammar compiles in a thread pool (compiled grammars are cached
-by spec in a bounded LRU) while the request waits in WAITING_FOR_FSM; the
+by spec in an LRU bounded by count and by bytes: one 50k-entry ``choice``
+compiles to about 120 MB with a 150k vocabulary) while the request waits in WAITING_FOR_FSM; the
 scheduler skips it, keeping its queue position, until ``is_ready``. A compile
 that fails or outlives ``compile_timeout_s`` comes back from ``take_failed``
 and the scheduler aborts the request with that error.
@@ -19,6 +20,7 @@ never imports it (or torch) at import time. Every method except
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -179,6 +181,23 @@ def _length_bound(schema: dict, key: str, default: int | None) -> int | None:
     return value
 
 
+# Compiled grammars kept for reuse, in bytes (xgrammar's memory_size_bytes).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+
+
+def _cache_key(params: StructuredOutputParams) -> tuple[str, bytes]:
+    """A spec's cache key: its kind and a digest of its canonical text, so a
+    key costs 32 bytes however large the spec."""
+    kind, value = params.key()
+    return kind, hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
+
+
+def _grammar_bytes(fut: Future) -> int:
+    if not fut.done() or fut.cancelled() or fut.exception() is not None:
+        return 0
+    return fut.result().memory_size_bytes
+
+
 class StructuredOutputManager:
     """Compiles grammars and keeps one xgrammar matcher per structured request.
 
@@ -187,16 +206,23 @@ class StructuredOutputManager:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, compile_timeout_s: float = 30.0,
-                 cache_size: int = 128, compile_threads: int = 2, fill_threads: int | str = "auto",
+                 cache_size: int = 128, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+                 compile_threads: int = 2, fill_threads: int | str = "auto",
                  any_whitespace: bool = False) -> None:
+        """``cache_size`` and ``cache_bytes`` bound the compiled grammars kept
+        for reuse (least recently used go first); a grammar in use by a
+        request lives as long as the request, cached or not."""
         if compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be an integer >= 0, got {cache_bytes!r}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         # JSON without free whitespace: models cannot pad output with endless blanks.
         self.any_whitespace = any_whitespace
         self._compile_threads = compile_threads
@@ -204,12 +230,12 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         # Spec keys that parsed (validate runs on server threads, hence the lock).
         self._valid_lock = threading.Lock()
-        self._valid: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._valid: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
         self._batch = None
         # Spec key -> Future[CompiledGrammar]; the newest use last.
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, bytes], Future] = OrderedDict()
         # Waiting for their grammar / with a matcher, by request id.
         self._pending: dict[str, Request] = {}
         self._active: dict[str, Request] = {}
@@ -223,7 +249,7 @@ class StructuredOutputManager:
     def validate(self, params: StructuredOutputParams) -> None:
         """Parse the spec now (milliseconds, no tokenizer work) so a bad one is
         refused at submission with a GrammarError naming the problem."""
-        key = params.key()
+        key = _cache_key(params)
         with self._valid_lock:
             if key in self._valid:
                 self._valid.move_to_end(key)
@@ -255,7 +281,7 @@ class StructuredOutputManager:
             return self._compiler
 
     def _compiled(self, params: StructuredOutputParams) -> Future:
-        key = params.key()
+        key = _cache_key(params)
         fut = self._cache.get(key)
         if fut is not None:
             self._cache.move_to_end(key)
@@ -265,9 +291,20 @@ class StructuredOutputManager:
                                             thread_name_prefix="tokenbudget-grammar")
         fut = self._pool.submit(self.compile, params)
         self._cache[key] = fut
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        self._evict()
         return fut
+
+    @property
+    def cached_bytes(self) -> int:
+        """Memory of the compiled grammars in the cache (compiles in flight count 0)."""
+        return sum(_grammar_bytes(f) for f in self._cache.values())
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past the count or byte bound."""
+        total = self.cached_bytes
+        while self._cache and (len(self._cache) > self.cache_size or total > self.cache_bytes):
+            _, fut = self._cache.popitem(last=False)
+            total -= _grammar_bytes(fut)
 
     # -- request lifecycle (scheduler thread) --------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -287,6 +324,7 @@ class StructuredOutputManager:
         sr.matcher = self._make_matcher(req, fut.result())
         del self._pending[req.request_id]
         self._active[req.request_id] = req
+        self._evict()  # its size is known now
         return True
 
     @staticmethod
@@ -316,7 +354,7 @@ class StructuredOutputManager:
                 exc = sr.compiled.exception()
                 if exc is None:
                     continue
-                key = sr.params.key()
+                key = _cache_key(sr.params)
                 if self._cache.get(key) is sr.compiled:
                     del self._cache[key]  # let a corrected client retry the same spec
                 if not isinstance(exc, GrammarError):

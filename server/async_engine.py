@@ -235,6 +235,9 @@ class AsyncEngine:
         self.is_demo = is_demo
         self.num_remote_workers = num_remote_workers
         self.max_model_len = core.scheduler.scheduler_config.max_model_len
+        if input_processor is not None and input_processor.max_model_len is None:
+            # Its prompt-bytes limit and max_tokens clamp follow the engine's context.
+            input_processor.max_model_len = self.max_model_len
         scheduler = core.scheduler
         if scheduler.structured_output_manager is None and input_processor is not None:
             # Structured output needs only the tokenizer; xgrammar loads on first use.

@@ -30,12 +30,23 @@ def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
     ``seed + i``, so each is reproducible on its own. Prompt logprobs are
     computed by sample 0 only. ``request_options`` are Request's own keywords
     (priority, cache_salt, tenant, ttft_ms, tpot_ms), the same for every sample.
+
+    ``max_tokens`` beyond what the context leaves (``max_model_len`` minus
+    the prompt's tokens) is clamped to it, as vLLM does: such a request
+    ends with finish reason "length" there anyway, and the clamped value is
+    what the scheduler's admission reserve plans for. ``min_tokens`` is
+    clamped with it.
     """
     try:
         params = processor.check_params(params)
     except ValueError as exc:
         raise ValueError(f"sampling_params.{exc}") from None
     token_ids, features = processor.process(prompt, params.truncate_prompt_tokens)
+    if processor.max_model_len is not None:
+        room = max(processor.max_model_len - len(token_ids), 1)
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room,
+                                         min_tokens=min(params.min_tokens, room))
     eos, *more_eos = eos_token_ids or [None]
     if more_eos and not params.ignore_eos:
         # Request holds one EOS id; the checkpoint's others stop like stop tokens.
