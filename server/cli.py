@@ -25,7 +25,10 @@ from typing import NoReturn
 
 from tokenbudget.core.config import POLICIES
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.core.structured_output import DEFAULT_GRAMMAR_CACHE_BYTES
 from tokenbudget.server.engine_args import DEFAULT_MAX_MODEL_LEN, KV_CACHE_DTYPES
+from tokenbudget.server.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
+                                             DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST)
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -122,6 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gc-threshold", type=int, default=DEFAULT_GEN0_THRESHOLD,
                    help="Python collector's generation-0 threshold, set after start-up when "
                    "the heap is frozen (default %(default)s; CPython's own is 700)")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="an image with more pixels (width x height, read from its header before "
+                   "decoding) is refused with INVALID_ARGUMENT (default %(default)s = 4096x4096; "
+                   "decoding costs about 10 bytes a pixel; the model's image processor then "
+                   "resizes to its own max_pixels)")
+    g.add_argument("--max-image-pixels-per-request", type=int,
+                   default=DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
+                   help="a request whose images add up to more pixels is refused before any is "
+                   "decoded (default %(default)s)")
+    g.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="a text prompt (after its chat template) longer than this in UTF-8 bytes "
+                   "is refused before tokenizing; with truncate_prompt_tokens only its tail is "
+                   "tokenized (default: --max-model-len x the tokenizer's longest token in "
+                   "bytes, x3 when it normalizes Unicode: a text that can never fit)")
+    g.add_argument("--grammar-cache-bytes", type=int, default=DEFAULT_GRAMMAR_CACHE_BYTES,
+                   help="compiled structured-output grammars kept for reuse, in bytes; least "
+                   "recently used go first (default %(default)s = 512 MiB)")
+    g.add_argument("--grammar-compile-timeout-s", type=float, default=30.0,
+                   help="a structured-output grammar not compiled in this time fails its "
+                   "request with DEADLINE_EXCEEDED (default %(default)s)")
     g.add_argument("--api-key", default=None,
                    help="require metadata 'authorization: Bearer API_KEY' on every call "
                    "(UNAUTHENTICATED otherwise); grpc.health.v1 stays open for probes. Send "
@@ -378,20 +401,24 @@ def build_engine(args: argparse.Namespace, metrics=None):
     config = load_config(model, revision=args.revision, trust_remote_code=args.trust_remote_code)
     check_supported(config, model)
     text_config = config.get_text_config()
-    scheduler_config = engine_args.scheduler_config(engine_args.resolve_max_model_len(text_config))
+    max_model_len = engine_args.resolve_max_model_len(text_config)
+    scheduler_config = engine_args.scheduler_config(max_model_len)
     cache_config = engine_args.cache_config()
     input_processor = InputProcessor.from_pretrained(
         model, vocab_size=text_config.vocab_size, trust_remote_code=args.trust_remote_code,
         tokenizer=args.tokenizer, revision=args.revision,
         chat_template=engine_args.read_chat_template(),
-        max_logprobs=engine_args.max_logprobs_for(text_config.vocab_size))
+        max_logprobs=engine_args.max_logprobs_for(text_config.vocab_size),
+        **engine_args.input_limits(max_model_len))
     defaults = load_generation_defaults(model, source=args.generation_config,
                                         revision=args.revision,
                                         tokenizer_eos_token_id=input_processor.eos_token_id)
     # Loading the weights takes seconds to minutes: a taken port fails first.
     check_port_free(args.host, args.port)
     executor = _make_executor(args, model, engine_args.use_async_scheduling)
-    core = EngineCore(scheduler_config, cache_config, executor)
+    core = EngineCore(scheduler_config, cache_config, executor,
+                      engine_args.structured_output_manager(input_processor.tokenizer,
+                                                            text_config.vocab_size))
     logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
                 cache_config.block_size, "on" if engine_args.use_async_scheduling else "off")
     return AsyncEngine(core, input_processor, metrics, model_name=model,

@@ -21,6 +21,9 @@ from tokenbudget.core.config import (ASYNC_SPEC_CONFLICT, POLICY_OPTIONS, CacheC
                                      SchedulerConfig)
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolerConfig
+from tokenbudget.core.structured_output import DEFAULT_GRAMMAR_CACHE_BYTES
+from tokenbudget.server.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
+                                             DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST)
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -86,6 +89,16 @@ class EngineArgs:
     # Speculative decoding, vLLM's dict (or its JSON text); None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     grammar_compile_timeout_s: float = 30.0
+    # Compiled grammars kept for reuse, in bytes.
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    # -- input limits (one client must not exhaust the server's memory) --
+    # Pixels of one image / of a request's images, checked from the file
+    # headers before decoding.
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST
+    # UTF-8 bytes of a text prompt tokenized at most; None: max_model_len x
+    # the tokenizer's longest token (InputProcessor.max_prompt_bytes).
+    max_prompt_bytes: int | None = None
     # The SGLang-style options of SchedulerConfig (core.config.POLICY_OPTIONS).
     policy_options: dict[str, Any] = field(default_factory=dict)
     # -- KV cache --
@@ -157,6 +170,15 @@ class EngineArgs:
         if self.speculative_config is not None and self.async_scheduling:
             raise UnsupportedArgument("async_scheduling with speculative_config",
                                       ASYNC_SPEC_CONFLICT.split(": ", 1)[1])
+        for name in ("max_image_pixels", "max_image_pixels_per_request", "max_prompt_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got "
+                             f"{self.grammar_compile_timeout_s}")
         if self.enforce_eager:
             logger.debug("enforce_eager: tokenbudget never captures CUDA graphs (always eager)")
 
@@ -168,6 +190,20 @@ class EngineArgs:
 
     def max_logprobs_for(self, vocab_size: int) -> int:
         return vocab_size if self.max_logprobs == -1 else self.max_logprobs
+
+    def input_limits(self, max_model_len: int) -> dict[str, Any]:
+        """InputProcessor keywords: the context and the prompt and image limits."""
+        return {"max_model_len": max_model_len, "max_prompt_bytes": self.max_prompt_bytes,
+                "max_image_pixels": self.max_image_pixels,
+                "max_image_pixels_per_request": self.max_image_pixels_per_request}
+
+    def structured_output_manager(self, tokenizer: Any, vocab_size: int):
+        """The StructuredOutputManager with these settings (xgrammar loads on first use)."""
+        from tokenbudget.core.structured_output import StructuredOutputManager
+
+        return StructuredOutputManager(tokenizer, vocab_size,
+                                       compile_timeout_s=self.grammar_compile_timeout_s,
+                                       cache_bytes=self.grammar_cache_bytes)
 
     def resolve_max_model_len(self, text_config) -> int:
         """The model's context limit (at most 8192 by default); a sliding window

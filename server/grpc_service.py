@@ -1,7 +1,8 @@
 """The Generation gRPC service over an AsyncEngine.
 
 Every bad input is answered with INVALID_ARGUMENT and a message naming the
-field; the engine never sees it. ``add_generation_servicer(server, engine)``
+field; the engine never sees it. Refusals follow server/grpc_errors.py: no
+paths in messages, a status set and a return rather than ``abort``. ``add_generation_servicer(server, engine)``
 lets any grpc.Server (thread pool) or grpc.aio server host the service; the
 ``server`` CLI uses grpc.aio, which streams tokens at about half the CPU.
 """
@@ -15,12 +16,14 @@ import uuid
 
 import grpc
 
+from tokenbudget.core.gc_policy import refused_bytes
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.scheduler import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured_output import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
+from tokenbudget.server.grpc_errors import add_servicer, public_message, refuse
 from tokenbudget.server.request_builder import build_pooling_request, build_requests
 
 logger = logging.getLogger(__name__)
@@ -39,8 +42,9 @@ _STATUS_OF_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 _SERVED_ERRORS = tuple(t for t, _ in _STATUS_OF_ERROR)
 
 
-def _status_of(exc: BaseException) -> grpc.StatusCode:
-    return next(code for t, code in _STATUS_OF_ERROR if isinstance(exc, t))
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a client gets for an engine error."""
+    return next(code for t, code in _STATUS_OF_ERROR if isinstance(exc, t)), public_message(exc)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -56,7 +60,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             req, stream = self._submit(request)
         except _SERVED_ERRORS as exc:
-            context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
+            refused_bytes.add(request.ByteSize())
+            return
         rid = stream.request_id
         # A client that cancels or disconnects frees its KV within one step.
         context.add_callback(lambda: self.engine.abort(rid))
@@ -65,7 +71,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             for chunk in stream:
                 yield reply.message(chunk)
         except _SERVED_ERRORS as exc:
-            context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
 
     def _submit(self, request: generate_pb2.GenerateRequest) -> tuple[Request, RequestStream]:
         """Returns the first sample's Request (they share the prompt) and the stream."""
@@ -120,16 +126,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             req, stream = self._submit_embed(request)
         except _SERVED_ERRORS as exc:
-            context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
+            refused_bytes.add(request.ByteSize())
+            return None
         rid = stream.request_id
         context.add_callback(lambda: self.engine.abort(rid))
         try:
             chunks = list(stream)
         except _SERVED_ERRORS as exc:
-            context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
+            return None
         reply = _embed_response(req, rid, chunks[-1] if chunks else None)
         if reply is None:
-            context.abort(grpc.StatusCode.ABORTED, _aborted(rid))
+            refuse(context, grpc.StatusCode.ABORTED, _aborted(rid))
         return reply
 
     def _submit_embed(self, request: generate_pb2.EmbedRequest) -> tuple[Request, RequestStream]:
@@ -163,7 +172,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     # -- the other RPCs -------------------------------------------------------------------
     def Abort(self, request: generate_pb2.AbortRequest, context: grpc.ServicerContext):
         if not self.engine.abort(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND, _not_live(request.request_id))
+            refuse(context, grpc.StatusCode.NOT_FOUND, _not_live(request.request_id))
         return generate_pb2.AbortResponse()
 
     def GetModelInfo(self, request, context):
@@ -201,7 +210,9 @@ class AioGenerationServicer(GenerationServicer):
             req, stream = await asyncio.get_running_loop().run_in_executor(
                 None, self._submit, request)
         except _SERVED_ERRORS as exc:
-            await context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
+            refused_bytes.add(request.ByteSize())
+            return
         reply = _Replies(req, stream.request_id)
         failed = False
         try:
@@ -209,7 +220,7 @@ class AioGenerationServicer(GenerationServicer):
                 await context.write(reply.message(chunk))
         except _SERVED_ERRORS as exc:
             failed = True
-            await context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
         finally:
             if not (failed or stream.finished):  # the client cancelled or went away
                 self.engine.abort(stream.request_id)  # free its KV
@@ -219,7 +230,9 @@ class AioGenerationServicer(GenerationServicer):
             req, stream = await asyncio.get_running_loop().run_in_executor(
                 None, self._submit_embed, request)
         except _SERVED_ERRORS as exc:
-            await context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
+            refused_bytes.add(request.ByteSize())
+            return None
         last = None
         failed = False
         try:
@@ -227,18 +240,19 @@ class AioGenerationServicer(GenerationServicer):
                 last = chunk
         except _SERVED_ERRORS as exc:
             failed = True
-            await context.abort(_status_of(exc), str(exc))
+            refuse(context, *_status_of(exc))
+            return None
         finally:
             if not (failed or stream.finished):  # the client cancelled or went away
                 self.engine.abort(stream.request_id)
         reply = _embed_response(req, stream.request_id, last)
         if reply is None:
-            await context.abort(grpc.StatusCode.ABORTED, _aborted(stream.request_id))
+            refuse(context, grpc.StatusCode.ABORTED, _aborted(stream.request_id))
         return reply
 
     async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         if not self.engine.abort(request.request_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, _not_live(request.request_id))
+            refuse(context, grpc.StatusCode.NOT_FOUND, _not_live(request.request_id))
         return generate_pb2.AbortResponse()
 
     async def GetModelInfo(self, request, context):
@@ -360,7 +374,7 @@ def add_generation_servicer(server: grpc.Server | grpc.aio.Server,
     a thread-pool grpc.Server or a grpc.aio server (cheaper per streamed token)."""
     servicer = (AioGenerationServicer(engine) if isinstance(server, grpc.aio.Server)
                 else GenerationServicer(engine))
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    add_servicer(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, server)
     return servicer
 
 

@@ -9,7 +9,6 @@ from tokenbudget.core.engine import EngineCore
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
-from tokenbudget.core.structured_output import StructuredOutputManager
 from tokenbudget.server.engine_args import EngineArgs, read_chat_template
 from tokenbudget.server.generation_defaults import load_generation_defaults
 from tokenbudget.server.input_processor import InputProcessor, Prompt
@@ -122,7 +121,8 @@ class LLM:
             model, vocab_size=runner.vocab_size, trust_remote_code=args.trust_remote_code,
             tokenizer=args.tokenizer, revision=args.revision,
             chat_template=args.read_chat_template(),
-            max_logprobs=args.max_logprobs_for(runner.vocab_size))
+            max_logprobs=args.max_logprobs_for(runner.vocab_size),
+            **args.input_limits(max_model_len))
         self.generation_defaults = load_generation_defaults(
             model, source=args.generation_config, revision=args.revision,
             tokenizer_eos_token_id=self.input_processor.eos_token_id)
@@ -130,9 +130,8 @@ class LLM:
         self.pooler_config = load_pooler_config(model, args.pooler_config, revision=args.revision)
         self.executor = InProcessExecutor(worker, async_mode=args.use_async_scheduling)
         # Cheap until a structured request arrives (xgrammar loads then).
-        self.structured_output = StructuredOutputManager(
-            self.input_processor.tokenizer, runner.vocab_size,
-            compile_timeout_s=args.grammar_compile_timeout_s)
+        self.structured_output = args.structured_output_manager(self.input_processor.tokenizer,
+                                                                runner.vocab_size)
         self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor,
                                  self.structured_output)
         self._ids = itertools.count()

@@ -27,6 +27,7 @@ from importlib import metadata
 
 import grpc
 
+from tokenbudget.core.gc_policy import refused_bytes
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.scheduler import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured_output import GrammarTimeoutError
@@ -34,6 +35,7 @@ from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenbudget.server.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
 from tokenbudget.core.request import Request
+from tokenbudget.server.grpc_errors import add_servicer, public_message, refuse
 from tokenbudget.server.grpc_service import make_requests
 from tokenbudget.server.request_builder import build_pooling_request
 
@@ -74,9 +76,13 @@ class GatewayRequest:
 def gateway_request(request: pb.GenerateRequest, max_model_len: int) -> GatewayRequest:
     """Convert, refusing what we do not serve with a ValueError naming the field."""
     _refuse_unsupported(request)
-    prompt = list(request.tokenized.input_ids)
-    if not prompt:
+    num_prompt_tokens = len(request.tokenized.input_ids)
+    if not num_prompt_tokens:
         raise ValueError("tokenized.input_ids: the prompt must not be empty")
+    if num_prompt_tokens > max_model_len:  # before the ids become a Python list
+        raise ValueError(f"tokenized.input_ids: the prompt has {num_prompt_tokens} tokens, more "
+                         f"than the context length {max_model_len}")
+    prompt = list(request.tokenized.input_ids)
     sp = request.sampling_params
     kwargs: dict = {
         "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
@@ -301,15 +307,22 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("SglangScheduler.Generate %s", _brief(request))
         if self.draining or not self.engine.healthy:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
+            refuse(context, grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
+            return
         try:  # off the loop: request building checks token ids and compiles nothing
             req, stream = await asyncio.get_running_loop().run_in_executor(
                 None, self._submit, request)
         except _IN_BAND_ERRORS as exc:
-            yield _error(request.request_id, exc)
-            return
+            error = _error(request.request_id, exc)
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            refuse(context, grpc.StatusCode.UNAVAILABLE, public_message(exc))
+            return
+        else:
+            error = None
+        if error is not None:  # sent outside the except: a suspended yield there holds the error
+            refused_bytes.add(request.ByteSize())
+            yield error
+            return
         replies = _Replies(req, stream.num_prompt_tokens)
         try:
             async for chunk in stream:
@@ -318,7 +331,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         except _IN_BAND_ERRORS as exc:  # after queueing: a grammar that failed to compile
             await context.write(_error(req.request_id, exc))
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            refuse(context, grpc.StatusCode.UNAVAILABLE, public_message(exc))
         finally:
             if not stream.finished:  # the gateway cancelled (its client went away)
                 self.engine.abort(stream.request_id)  # free the KV before the next step
@@ -340,16 +353,19 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         pooling options); errors in band, as Generate's."""
         self.last_receive_time = time.time()
         if self.draining or not self.engine.healthy:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
+            refuse(context, grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
+            return None
         rid = request.request_id or uuid.uuid4().hex
         try:
             req = await asyncio.get_running_loop().run_in_executor(
                 None, self._embed_request, request, rid)
             stream = self.engine.add_request(req, request_id=rid, detokenize=False)
         except _IN_BAND_ERRORS as exc:
+            refused_bytes.add(request.ByteSize())
             return _embed_error(rid, exc)
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            refuse(context, grpc.StatusCode.UNAVAILABLE, public_message(exc))
+            return None
         last = None
         try:
             async for chunk in stream:
@@ -357,7 +373,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         except _IN_BAND_ERRORS as exc:
             return _embed_error(rid, exc)
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            refuse(context, grpc.StatusCode.UNAVAILABLE, public_message(exc))
+            return None
         finally:
             if not stream.finished:  # the gateway cancelled
                 self.engine.abort(rid)
@@ -470,13 +487,13 @@ def _brief(request: pb.GenerateRequest) -> str:
 def _error(request_id: str, exc: BaseException) -> pb.GenerateResponse:
     status = next(code for t, code in _HTTP_STATUS_OF_ERROR if isinstance(exc, t))
     return pb.GenerateResponse(request_id=request_id, error=pb.GenerateError(
-        message=str(exc), http_status_code=status))
+        message=public_message(exc), http_status_code=status))
 
 
 def _embed_error(request_id: str, exc: BaseException) -> pb.EmbedResponse:
     status = next(code for t, code in _HTTP_STATUS_OF_ERROR if isinstance(exc, t))
-    return pb.EmbedResponse(request_id=request_id, error=pb.EmbedError(message=str(exc),
-                                                                      code=status))
+    return pb.EmbedResponse(request_id=request_id, error=pb.EmbedError(
+        message=public_message(exc), code=status))
 
 
 def _token_capacity(engine: AsyncEngine) -> int:
@@ -515,5 +532,5 @@ def add_sglang_scheduler_servicer(server: grpc.aio.Server, engine: AsyncEngine, 
     if not isinstance(server, grpc.aio.Server):
         raise TypeError("the SglangScheduler service needs a grpc.aio server")
     servicer = SglangSchedulerServicer(engine, served_model_name=served_model_name)
-    pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
+    add_servicer(pb_grpc.add_SglangSchedulerServicer_to_server, servicer, server)
     return servicer
