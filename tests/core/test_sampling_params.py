@@ -6,6 +6,13 @@ import pytest
 from tokenbudget.core import SamplingParams, StructuredOutputParams
 
 
+def _nested_dict(depth: int) -> dict:
+    root = node = {}
+    for _ in range(depth):
+        node["items"] = node = {}
+    return root
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
@@ -55,6 +62,12 @@ from tokenbudget.core import SamplingParams, StructuredOutputParams
     ({"structured": {"regex": ""}}, "structured.regex must be a non-empty string"),
     ({"structured": {"choice": []}}, "structured.choice must be a non-empty list"),
     ({"structured": {"json_schema": 3}}, "structured.json_schema must be a str or a dict"),
+    # Deeper schemas take seconds to parse (issue 10); a dict that deep would
+    # overflow json.dumps' recursion.
+    ({"structured": {"json_schema": '{"items": ' * 65 + "{}" + "}" * 65}},
+     "structured.json_schema: nested 66 levels deep, more than 64"),
+    ({"structured": {"json_schema": _nested_dict(5000)}},
+     "structured.json_schema: nested 5001 levels deep"),
     ({"structured": "regex"}, "structured must be a dict or StructuredOutputParams, got str"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, message):
