@@ -110,8 +110,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise ValueError("text: the prompt must not be empty")
             return {"prompt": request.text, "images": images}
         if kind == "token_ids":
-            if not request.token_ids.ids:
+            num_ids = len(request.token_ids.ids)
+            if not num_ids:
                 raise ValueError("token_ids: the prompt must not be empty")
+            limit = self.engine.max_model_len
+            if num_ids > limit and not request.sampling_params.HasField("truncate_prompt_tokens"):
+                # Before the ids become Python ints (36 bytes each).
+                raise ValueError(f"token_ids: the prompt has {num_ids} tokens, more than "
+                                 f"max_model_len={limit}")
             if images:
                 return {"prompt": list(request.token_ids.ids), "images": images}
             return {"prompt_token_ids": list(request.token_ids.ids)}
