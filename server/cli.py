@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests running at once (default %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output limit per request (default: the model's, at most "
+                   help="prompt + output limit per request; a request's max_tokens beyond what "
+                   "its prompt leaves is clamped to it (default: the model's, at most "
                    f"{DEFAULT_MAX_MODEL_LEN}, or its sliding window)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap one request's prefill chunk per step; 0 = no cap (default)")

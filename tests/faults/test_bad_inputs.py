@@ -330,14 +330,16 @@ CASES = [
          words="request_id 'no-such-request' is not a live request"),
     # The SGLang gateway's protocol (in-band errors: a status makes the gateway retry).
     Case("gateway: empty input ids", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput()), rpc="SglangGenerate",
+        tokenized=sg.TokenizedInput(), sampling_params=_sg_params()), rpc="SglangGenerate",
          words="tokenized.input_ids: the prompt must not be empty"),
     Case("gateway: input ids past the context", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput(input_ids=[5] * (MAX_MODEL_LEN + 1))), rpc="SglangGenerate",
+        tokenized=sg.TokenizedInput(input_ids=[5] * (MAX_MODEL_LEN + 1)),
+        sampling_params=_sg_params()), rpc="SglangGenerate",
          words=f"tokenized.input_ids: the prompt has {MAX_MODEL_LEN + 1} tokens"),
     Case("gateway: images", lambda V: sg.GenerateRequest(
         tokenized=sg.TokenizedInput(input_ids=[5]),
-        mm_inputs=sg.MultimodalInputs(image_data=[_png(8, 8)])), rpc="SglangGenerate",
+        mm_inputs=sg.MultimodalInputs(image_data=[_png(8, 8)]), sampling_params=_sg_params()),
+         rpc="SglangGenerate",
          words="mm_inputs: multimodal inputs are not supported"),
     Case("gateway: max_new_tokens 0", lambda V: sg.GenerateRequest(
         tokenized=sg.TokenizedInput(input_ids=[5]),

@@ -192,7 +192,11 @@ def flagged_engine(tiny_model, tmp_path_factory):
         "--served-model-name", "my-model", "--seed", "1234", "--tokenizer", tokenizer_dir,
         "--revision", "main", "--chat-template", str(template_file),
         "--generation-config", "vllm", "--max-logprobs", "3", "--kv-cache-dtype", "float32",
-        "--pooler-config", '{"pooling_type": "cls", "normalize": false}'])
+        "--pooler-config", '{"pooling_type": "cls", "normalize": false}',
+        # Input limits (issue 10).
+        "--max-image-pixels", "1000", "--max-image-pixels-per-request", "3000",
+        "--max-prompt-bytes", "5000", "--grammar-cache-bytes", "123456",
+        "--grammar-compile-timeout-s", "7"])
     engine = cli.build_engine(ns)
     yield engine, tokenizer_dir
     engine.shutdown()
@@ -217,6 +221,24 @@ def test_model_flags_reach_the_engine(flagged_engine):
     request = generate_pb2.GenerateRequest(text="hi")
     request.sampling_params.logprobs = 3
     servicer._make_requests(request)
+
+
+def test_input_limit_flags_reach_the_engine(flagged_engine):
+    engine, _ = flagged_engine
+    processor = engine.input_processor
+    assert (processor.max_image_pixels, processor.max_image_pixels_per_request,
+            processor.max_prompt_bytes, processor.max_model_len) == (1000, 3000, 5000, 256)
+    manager = engine.core.scheduler.structured_output_manager
+    assert (manager.cache_bytes, manager.compile_timeout_s) == (123456, 7.0)
+    with pytest.raises(ValueError, match="prompt: the prompt is 5001 bytes, more than "
+                                         "max_prompt_bytes=5000 .the server's limit"):
+        processor.process("x" * 5001)
+    limits = EngineArgs.from_kwargs("m", max_image_pixels=1000, max_prompt_bytes=5000,
+                                    max_image_pixels_per_request=3000).input_limits(256)
+    assert limits == {"max_model_len": 256, "max_prompt_bytes": 5000, "max_image_pixels": 1000,
+                      "max_image_pixels_per_request": 3000}
+    with pytest.raises(ValueError, match="max_image_pixels must be >= 1, got 0"):
+        EngineArgs.from_kwargs("m", max_image_pixels=0)
 
 
 def test_chat_template_may_be_given_inline(tiny_model):
