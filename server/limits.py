@@ -12,6 +12,7 @@ import inspect
 
 import grpc
 
+from tokenbudget.server.grpc_errors import refuse
 from tokenbudget.worker.auth import handler_with_behavior
 
 
@@ -33,7 +34,8 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
         behavior = handler.unary_stream or handler.unary_unary
         if inspect.isasyncgenfunction(behavior):
             async def limited(request, context):
-                await self._enter(context)
+                if not self._enter(context):
+                    return
                 try:
                     async for message in behavior(request, context):
                         yield message
@@ -41,16 +43,22 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
                     self.active -= 1
         else:
             async def limited(request, context):
-                await self._enter(context)
+                if not self._enter(context):
+                    return None
                 try:
                     return await behavior(request, context)
                 finally:
                     self.active -= 1
         return handler_with_behavior(handler, limited)
 
-    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+    def _enter(self, context: grpc.aio.ServicerContext) -> bool:
+        """Count the call in, or refuse it (False): a status and a return, not
+        abort, whose exception would keep the request in a reference cycle
+        (server/grpc_errors.py)."""
         if self.active >= self.limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the server is generating for {self.active} calls, its "
-                                f"--max-concurrent-rpcs={self.limit}; retry later")
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"the server is generating for {self.active} calls, its "
+                   f"--max-concurrent-rpcs={self.limit}; retry later")
+            return False
         self.active += 1
+        return True

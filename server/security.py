@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import grpc
 
+from tokenbudget.server.grpc_errors import refuse
 from tokenbudget.worker.auth import handler_with_behavior, presents
 
 # Answered without the API key: a load balancer's probe carries no secrets.
@@ -61,8 +62,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong API key: send metadata "
-                                "'authorization: Bearer <key>' (the server's --api-key)")
+            # A status and a return: abort's exception would keep the request
+            # in a reference cycle (server/grpc_errors.py).
+            refuse(context, grpc.StatusCode.UNAUTHENTICATED,
+                   "missing or wrong API key: send metadata "
+                   "'authorization: Bearer <key>' (the server's --api-key)")
 
         return handler_with_behavior(handler, deny)
