@@ -151,10 +151,12 @@ class Scheduler:
             sign = self._priority_sign
             if sign * request.priority < sign * worst.priority:  # strictly better
                 self.finish_requests([worst.request_id], RequestStatus.FINISHED_ABORTED)
-                worst.stop_reason = "evicted from a full waiting queue by a higher-priority request"
+                worst.stop_reason = (f"evicted from the full waiting queue (max_queued_requests="
+                                     f"{limit}) by a higher-priority request; retry later")
+                # As an error, so its client gets the status it would have had on arrival.
                 self._side_outputs.append(RequestOutput(
                     worst.request_id, [], "abort", None, max(worst.num_cached_tokens, 0),
-                    worst.stop_reason))
+                    worst.stop_reason, QueueFullError(worst.stop_reason)))
                 return
         raise QueueFullError(f"the waiting queue is full (max_queued_requests={limit}); "
                              "retry later")

@@ -43,14 +43,15 @@ class SlowExecutor:
         self._pool.shutdown()
 
 
-@pytest.fixture
-def slow_server(tmp_path, serving):
+@pytest.fixture(params=["fcfs"])
+def slow_server(request, tmp_path, serving):
     from tokenbudget.server.input_processor import InputProcessor
     from tokenbudget.worker.tiny_models import build_tiny_qwen3
 
     path = build_tiny_qwen3(tmp_path / "m")
     executor = SlowExecutor()
-    core = EngineCore(SchedulerConfig(max_num_seqs=1, max_queued_requests=1, max_model_len=256),
+    core = EngineCore(SchedulerConfig(max_num_seqs=1, max_queued_requests=1, max_model_len=256,
+                                      policy=request.param),
                       CacheConfig(block_size=16), executor)
     engine = AsyncEngine(core, InputProcessor.from_pretrained(path), model_name="tiny")
     with serving(engine) as client:
@@ -79,6 +80,30 @@ def test_request_beyond_max_queued_requests_is_resource_exhausted(slow_server):
     assert len(queued.result(timeout=30).token_ids) == 2
     # The server still serves.
     assert len(client.generate(ids, params, request_id="after").token_ids) == 2
+
+
+@pytest.mark.parametrize("slow_server", ["priority"], indirect=True)
+def test_a_queued_request_evicted_by_a_higher_priority_one_is_told_why(slow_server):
+    client, engine = slow_server
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    ids = {"prompt_token_ids": [5, 6, 7]}
+    pool = futures.ThreadPoolExecutor(3)
+    running = pool.submit(client.generate, ids, long, request_id="running")
+    sched = engine.core.scheduler
+    _wait_until(lambda: len(sched.running) == 1 or running.done())
+    low = pool.submit(client.generate, ids, params, request_id="low", priority=5)
+    _wait_until(lambda: len(sched.waiting) == 1)
+    high = pool.submit(client.generate, ids, params, request_id="high", priority=1)
+    with pytest.raises(grpc.RpcError) as err:
+        low.result(timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == ("evicted from the full waiting queue (max_queued_requests=1) "
+                                   "by a higher-priority request; retry later")
+    client.abort("running")
+    assert len(high.result(timeout=30).token_ids) == 2
+    _wait_until(lambda: not sched.requests)
+    sched.kv_cache_manager.block_pool.check_invariants()
 
 
 def _wait_until(condition, timeout: float = 10.0) -> None:
