@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "timeout) leaves room for a first step's lazy CUDA/kernel set-up and a "
                    "full-budget prefill of a large model on CPU")
 
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N worker processes started on this host "
+                   "(torch.distributed: gloo on CPU, NCCL on CUDA; default %(default)s). For "
+                   "several hosts, start `python -m tokenbudget.worker --rank R --world-size N "
+                   "--dist-init tcp://HOST:PORT` on each and give rank 0's address to --worker")
+
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget of one step, prefill chunks and decodes together "
@@ -347,6 +353,11 @@ def engine_args_from(args: argparse.Namespace):
 
     engine_args = EngineArgs.from_cli_args(args)
     check_server_flags(args)
+    if args.worker and args.tensor_parallel_size > 1:
+        raise UnsupportedArgument(
+            "--tensor-parallel-size with --worker", "ranks on other hosts are started with "
+            "`python -m tokenbudget.worker --rank R --world-size N --dist-init URL`; give "
+            "rank 0's address to --worker and leave --tensor-parallel-size at 1")
     if args.worker:
         # Initialize carries the model path, dtype, device and attention backend only.
         for flag, given in (("--revision", args.revision is not None),
@@ -452,6 +463,14 @@ def _make_executor(args: argparse.Namespace, model: str, async_scheduling: bool)
                               max_message_size=max(args.max_message_size, 256 << 20),
                               step_timeout=getattr(args, "worker_step_timeout", 0.0),
                               secret=read_secret_file(secret) if secret else None)
+    if args.tensor_parallel_size > 1:
+        from tokenbudget.worker.parallel.launcher import TensorParallelExecutor
+
+        logger.info("starting %d tensor-parallel ranks", args.tensor_parallel_size)
+        return TensorParallelExecutor(model, args.tensor_parallel_size, dtype=args.dtype,
+                                      device=args.device or "",
+                                      attention_backend=args.attention_backend,
+                                      threads=args.torch_threads or None)
     from tokenbudget.worker.executor import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 

@@ -55,6 +55,8 @@ class EngineArgs:
     dtype: str = "auto"
     device: str | None = None
     attention_backend: str = "auto"
+    # Ranks one model is sharded over (worker processes started on this host).
+    tensor_parallel_size: int = 1
     # Seeds torch's global generator (requests without a seed of their own).
     seed: int = 0
     # A Jinja template, inline or the path of a file holding one.
@@ -141,6 +143,18 @@ class EngineArgs:
 
     def check(self) -> None:
         """Refuse what cannot be honoured, naming it and saying why."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            # The ranks are told what a remote worker is told (worker.proto Initialize).
+            for name, given in (("revision", self.revision is not None),
+                                ("trust_remote_code", self.trust_remote_code),
+                                ("kv_cache_dtype", self.kv_cache_dtype != "auto")):
+                if given:
+                    raise UnsupportedArgument(
+                        f"{name} with tensor_parallel_size > 1", "the ranks are told only the "
+                        "model path, dtype, device and attention backend; give the model as a "
+                        "local folder")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

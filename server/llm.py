@@ -105,33 +105,43 @@ class LLM:
     ``ModelLoadError`` (a ValueError) naming the path or id and what to do."""
 
     def __init__(self, model: str, **engine_args) -> None:
-        from tokenbudget.worker.executor import InProcessExecutor
-        from tokenbudget.worker.worker import Worker
-
         args = self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
-        worker = Worker(model, dtype=args.dtype, device=args.device,
-                        attention_backend=args.attention_backend,
-                        trust_remote_code=args.trust_remote_code, revision=args.revision,
-                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
-        runner = worker.model_runner
-        max_model_len = args.resolve_max_model_len(runner.text_config)
+        if args.tensor_parallel_size > 1:
+            from tokenbudget.worker.parallel.launcher import TensorParallelExecutor
+
+            executor = TensorParallelExecutor(model, args.tensor_parallel_size, dtype=args.dtype,
+                                              device=args.device or "",
+                                              attention_backend=args.attention_backend)
+            text_config = executor.config.get_text_config()
+        else:
+            from tokenbudget.worker.executor import InProcessExecutor
+            from tokenbudget.worker.worker import Worker
+
+            worker = Worker(model, dtype=args.dtype, device=args.device,
+                            attention_backend=args.attention_backend,
+                            trust_remote_code=args.trust_remote_code, revision=args.revision,
+                            kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
+            executor = InProcessExecutor(worker, async_mode=args.use_async_scheduling)
+            text_config = worker.model_runner.text_config
+        vocab_size = text_config.vocab_size
+        max_model_len = args.resolve_max_model_len(text_config)
         self.scheduler_config = args.scheduler_config(max_model_len)
         self.cache_config = args.cache_config()
         self.input_processor = InputProcessor.from_pretrained(
-            model, vocab_size=runner.vocab_size, trust_remote_code=args.trust_remote_code,
+            model, vocab_size=vocab_size, trust_remote_code=args.trust_remote_code,
             tokenizer=args.tokenizer, revision=args.revision,
             chat_template=args.read_chat_template(),
-            max_logprobs=args.max_logprobs_for(runner.vocab_size),
+            max_logprobs=args.max_logprobs_for(vocab_size),
             **args.input_limits(max_model_len))
         self.generation_defaults = load_generation_defaults(
             model, source=args.generation_config, revision=args.revision,
             tokenizer_eos_token_id=self.input_processor.eos_token_id)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
         self.pooler_config = load_pooler_config(model, args.pooler_config, revision=args.revision)
-        self.executor = InProcessExecutor(worker, async_mode=args.use_async_scheduling)
+        self.executor = executor
         # Cheap until a structured request arrives (xgrammar loads then).
         self.structured_output = args.structured_output_manager(self.input_processor.tokenizer,
-                                                                runner.vocab_size)
+                                                                vocab_size)
         self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor,
                                  self.structured_output)
         self._ids = itertools.count()

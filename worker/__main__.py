@@ -46,6 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Python collector's generation-0 threshold, set once Initialize "
                         "has loaded the model and the heap is frozen, like the server's "
                         "--gc-threshold (default %(default)s; CPython's own is 700)")
+    tp = parser.add_argument_group(
+        "tensor parallelism", "one model sharded over --world-size ranks (processes or hosts), "
+        "each started with this command; the server drives rank 0 (server --worker "
+        "RANK0_HOST:PORT), which fans every step out to the others")
+    tp.add_argument("--rank", type=int, default=0, help="this rank (default %(default)s); "
+                    "only rank 0 listens on --host/--port")
+    tp.add_argument("--world-size", type=int, default=1,
+                    help="number of ranks = tensor-parallel size (default %(default)s: no group)")
+    tp.add_argument("--dist-init", default=None, metavar="URL",
+                    help="torch.distributed rendezvous, the same on every rank, e.g. "
+                    "tcp://RANK0_HOST:29500")
+    tp.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="longest wait in any collective, joining included: a rank gone or "
+                    "hung longer breaks the group and every rank exits (default %(default)s)")
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["debug", "info", "warning", "error"],
                         help="level of tokenbudget's own log lines; other libraries log at "
@@ -67,6 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     from tokenbudget.worker.grpc_worker import BindError, serve
 
     torch.set_num_threads(args.threads)
+    if args.world_size > 1 or args.dist_init:
+        if args.dist_init is None or not 0 <= args.rank < args.world_size:
+            sys.exit("worker: a tensor-parallel rank needs --dist-init URL, --world-size N >= 2 "
+                     f"and 0 <= --rank < N (got --rank {args.rank}, --world-size "
+                     f"{args.world_size}, --dist-init {args.dist_init})")
+        from tokenbudget.worker.parallel.rank import run_rank
+
+        run_rank(args)
+        return
     try:
         server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size,
                                    gc_threshold=args.gc_threshold, secret=secret)

@@ -22,7 +22,9 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -45,8 +47,13 @@ class BindError(OSError):
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, stop_event: threading.Event | None = None, *,
-                 gc_threshold: int = DEFAULT_GEN0_THRESHOLD) -> None:
+                 gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
+                 worker_factory: Callable[[str, str, str, str], Any] | None = None) -> None:
+        """``worker_factory(model, dtype, device, attention_backend)`` builds the
+        worker on Initialize (default: a Worker; tensor-parallel rank 0 passes
+        one that drives its group)."""
         self.worker = None
+        self._worker_factory = worker_factory or _local_worker
         self._gc_threshold = gc_threshold
         self._stop_event = stop_event or threading.Event()
         self._lock = threading.Lock()
@@ -59,8 +66,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._first_step: float | None = None
 
     def Initialize(self, request, context):
-        from tokenbudget.worker.worker import Worker
-
         cache_config, scheduler_config = convert.configs_from_proto(request)
         with self._lock, self._step_lock:
             self._generation += 1
@@ -71,9 +76,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 gc.unfreeze()
             logger.info("loading %s (dtype=%s, device=%s)", request.model,
                         request.dtype or "auto", request.device or "default")
-            self.worker = Worker(request.model, dtype=request.dtype or "auto",
-                                 device=request.device or None,
-                                 attention_backend=request.attention_backend or "auto")
+            self.worker = self._worker_factory(request.model, request.dtype or "auto",
+                                               request.device, request.attention_backend or "auto")
             num_blocks = self.worker.initialize(cache_config, scheduler_config)
             policy = configure_gc(self._gc_threshold)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache_config.block_size)
@@ -123,6 +127,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ShutdownResponse()
 
 
+def _local_worker(model: str, dtype: str, device: str, attention_backend: str):
+    from tokenbudget.worker.worker import Worker
+
+    return Worker(model, dtype=dtype, device=device or None, attention_backend=attention_backend)
+
+
 def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
     decoder = convert.SchedulerOutputDecoder()  # this stream's request handles
     try:
@@ -141,20 +151,22 @@ def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
 
 def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
           gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
-          secret: str | None = None) -> tuple[grpc.Server, int, threading.Event]:
+          secret: str | None = None,
+          worker_factory: Callable[[str, str, str, str], Any] | None = None,
+          stop_event: threading.Event | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start a worker server; returns (server, bound port, stop event).
     ``gc_threshold`` is generation 0's collector threshold once a model is
     loaded; with a ``secret`` every call must present it (worker/auth.py)."""
     if gc_threshold < 1:
         raise ValueError(f"gc_threshold must be >= 1, got {gc_threshold}")
-    stop = threading.Event()
+    stop = stop_event or threading.Event()
     interceptors = [WorkerSecretInterceptor(secret)] if secret else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors,
                          options=[
         ("grpc.max_send_message_length", max_message_size),
         ("grpc.max_receive_message_length", max_message_size), NO_PORT_REUSE])
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(stop, gc_threshold=gc_threshold), server)
+        WorkerServicer(stop, gc_threshold=gc_threshold, worker_factory=worker_factory), server)
     bound = bind_port(server, host, port)
     server.start()
     return server, bound, stop

@@ -99,10 +99,17 @@ class ModelRunner:
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", attention_backend: str = "auto",
                  trust_remote_code: bool = False, revision: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", parallel=None) -> None:
+        """``parallel``: a TensorParallelGroup (worker/parallel/group.py); the
+        model is loaded whole on the host, sharded, then moved to the device."""
         self.device = torch.device(device)
-        self.model = load_model(model, dtype=dtype, device=self.device,
-                                trust_remote_code=trust_remote_code, revision=revision)
+        self.parallel = parallel
+        self.model = load_model(model, dtype=dtype, device=self.device if parallel is None
+                                else "cpu", trust_remote_code=trust_remote_code,
+                                revision=revision)
+        if parallel is not None:
+            parallel.shard(self.model)
+            self.model.to(self.device)
         self.dtype = next(self.model.parameters()).dtype
         check_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.text_config = self.model.config.get_text_config()
@@ -125,8 +132,11 @@ class ModelRunner:
 
     @property
     def _kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the decoder."""
-        return decoder_kv_shape(self.text_config)
+        """(num_layers, num_kv_heads, head_dim) of the decoder (this rank's KV heads)."""
+        num_layers, num_kv_heads, head_dim = decoder_kv_shape(self.text_config)
+        if self.parallel is not None:
+            num_kv_heads //= self.parallel.world_size
+        return num_layers, num_kv_heads, head_dim
 
     def initialize_kv_cache(self, cache_config: CacheConfig,
                             scheduler_config: SchedulerConfig) -> int:
@@ -150,6 +160,8 @@ class ModelRunner:
                 budget = min(_DEFAULT_CPU_KV_BYTES,
                              (scheduler_config.max_num_seqs * blocks_per_req + 1) * per_block)
             num_blocks = budget // per_block
+        if self.parallel is not None:
+            num_blocks = self.parallel.min_over_ranks(num_blocks)
         if num_blocks < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes "
                              "(need at least 2); raise kv_cache_memory or num_gpu_blocks")

@@ -1,11 +1,16 @@
 """Worker: one model replica with its KV cache, driven step by step."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenbudget.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tokenbudget.worker.parallel.group import TensorParallelGroup
 
 
 def default_device() -> str:
@@ -18,16 +23,18 @@ class Worker:
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = None, attention_backend: str = "auto",
                  trust_remote_code: bool = False, revision: str | None = None,
-                 kv_cache_dtype: str = "auto", seed: int | None = None) -> None:
+                 kv_cache_dtype: str = "auto", seed: int | None = None,
+                 parallel: TensorParallelGroup | None = None) -> None:
         """``seed`` seeds torch's global generator, which requests without a
-        seed of their own draw from (vLLM's ``seed`` engine argument)."""
+        seed of their own draw from (vLLM's ``seed`` engine argument).
+        ``parallel``: this rank's tensor-parallel group (worker/parallel)."""
         if seed is not None:
             torch.manual_seed(seed)
         self.model_name = model
         self.model_runner = ModelRunner(model, dtype=dtype, device=device or default_device(),
                                         attention_backend=attention_backend,
                                         trust_remote_code=trust_remote_code, revision=revision,
-                                        kv_cache_dtype=kv_cache_dtype)
+                                        kv_cache_dtype=kv_cache_dtype, parallel=parallel)
 
     def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
         """Allocate the KV cache; returns the number of blocks (block 0 included)."""

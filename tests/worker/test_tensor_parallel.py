@@ -1,0 +1,91 @@
+"""LLM(tensor_parallel_size=2): two real rank processes (gloo on CPU) give the
+greedy tokens of transformers generate() and of tensor_parallel_size=1, with
+chunked prefill, prefix-cache hits, preemption and async scheduling; the KV
+cache is sharded by KV heads (twice the blocks in the same per-rank memory)."""
+from __future__ import annotations
+
+import pytest
+
+from tokenbudget.core import SamplingParams
+from tokenbudget.server import LLM
+from tokenbudget.worker.attention import kv_cache_bytes_per_block
+
+# Per rank; TP=2 holds 1 of the tiny Qwen3's 2 KV heads, so twice the blocks
+# fit: few enough that the workload below preempts.
+KV_MEMORY = 28 * kv_cache_bytes_per_block(2, 4, 2, 16, __import__("torch").float32)
+ENGINE_ARGS = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory=KV_MEMORY,
+                   max_num_batched_tokens=32, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def tp_llm(tiny_qwen3_path):
+    llm = LLM(tiny_qwen3_path, tensor_parallel_size=2, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp1_llm(tiny_qwen3_path):
+    llm = LLM(tiny_qwen3_path, **dict(ENGINE_ARGS, kv_cache_memory=None, num_gpu_blocks=2 * 28))
+    yield llm
+    llm.shutdown()
+
+
+def test_tp2_greedy_equals_tp1_and_transformers(tp_llm, tp1_llm, prompts, hf_greedy_16):
+    prompts, expected = prompts[:6], hf_greedy_16[:6]  # 3 to 100 tokens
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine = tp_llm.engine
+    assert engine.async_scheduling
+    # KV sharded by KV heads: the same per-rank memory holds twice the blocks.
+    assert tp_llm.cache_config.num_blocks == 2 * 28
+    first = tp_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [r.token_ids for r in first] == expected
+    assert engine.scheduler.make_stats().num_preemptions > 0
+    again = tp_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [r.token_ids for r in again] == expected
+    assert sum(r.num_cached_tokens for r in again) > 0  # prefix hits
+    assert [r.token_ids for r in tp1_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)] == expected
+    engine.scheduler.kv_cache_manager.block_pool.check_invariants()
+
+
+def test_tp2_random_sampling_keeps_the_ranks_in_step(tp_llm, tp1_llm, prompts):
+    """Every rank samples and feeds its own token back; only rank 0 answers.
+    Unseeded requests draw from the global generator, which rank 0 seeds
+    alike on every rank. Had another rank drawn a different token, its half
+    of the KV would describe another sequence, and rank 0's logprobs of the
+    tokens it returned would differ from the same tokens teacher-forced
+    through TP=1."""
+    prompt = prompts[3]
+    sampled = tp_llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=12, temperature=1.0, logprobs=0, ignore_eos=True))[0]
+    forced = tp1_llm.generate({"prompt_token_ids": prompt + sampled.token_ids},
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = [lp[t] for lp, t in zip(sampled.logprobs, sampled.token_ids)]
+    want = [lp[t] for lp, t in zip(forced.prompt_logprobs[len(prompt):], sampled.token_ids)]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_tp2_vision_language_greedy_equals_transformers(tmp_path_factory, vl_chats):
+    """The vision tower runs replicated on each rank; the language model is
+    sharded by Qwen2.5-VL's plan. Chunks start and end inside images, and the
+    second chat's image is the first chat's second (an encoder-cache hit)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tokenbudget.server.mm_processor import MultiModalProcessor
+    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl, hf_generate_vl_ids
+
+    path = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tp_qwen2_5_vl"))
+    processor = MultiModalProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [hf_generate_vl_ids(model, *processor.process_messages(chat), 8, ignore_eos=True)
+                for chat in vl_chats]
+    llm = LLM(path, tensor_parallel_size=2, dtype="float32", device="cpu", num_gpu_blocks=64,
+              max_num_batched_tokens=16)
+    try:
+        results = llm.generate([{"messages": c} for c in vl_chats],
+                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [r.token_ids for r in results] == expected
