@@ -39,6 +39,8 @@ SETTINGS = [
     (["--policy", "slo", "--slo-reject-late", "--slo-step-time-ms", "12.5"],
      lambda s: (s.sched.policy, s.sched.slo_reject_late, s.sched.slo_step_time_ms)
      == ("slo", True, 12.5)),
+    (["--tensor-parallel-size", "2"], lambda s: s.args.tensor_parallel_size == 2),
+    (["-tp", "4"], lambda s: s.args.tensor_parallel_size == 4),
     (["--fair-share", "--tenant-weights", '{"gold": 4, "free": 1}'],
      lambda s: s.sched.fair_share and s.sched.tenant_weights == {"gold": 4.0, "free": 1.0}),
     (["--fair-share"], lambda s: s.sched.fair_share_chunk_cap is True),
@@ -97,6 +99,11 @@ REFUSED = [
     (["--speculative-config", '[2]'], "speculative_config must be a dict"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
       "--async-scheduling"], "async_scheduling with speculative_config is not supported"),
+    (["--tensor-parallel-size", "2", "--worker", "127.0.0.1:1"], "--tensor-parallel-size with "
+     "--worker is not supported: ranks on other hosts are started with"),
+    (["--tensor-parallel-size", "2", "--trust-remote-code"], "trust_remote_code with "
+     "tensor_parallel_size > 1 is not supported"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1, got 0"),
 ]
 
 

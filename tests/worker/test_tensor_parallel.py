@@ -89,3 +89,13 @@ def test_tp2_vision_language_greedy_equals_transformers(tmp_path_factory, vl_cha
     finally:
         llm.shutdown()
     assert [r.token_ids for r in results] == expected
+
+
+def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_starts(
+        tiny_qwen3_path, monkeypatch):
+    from tokenbudget.worker.parallel import launcher
+
+    monkeypatch.setattr(launcher, "LocalRanks", None)  # starting a rank would raise TypeError
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's "
+                                         "num_key_value_heads=2; pick a size that divides it"):
+        LLM(tiny_qwen3_path, tensor_parallel_size=4)

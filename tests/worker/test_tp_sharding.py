@@ -76,10 +76,10 @@ def test_two_rank_shards_give_the_whole_models_logits(model):
     with torch.inference_mode():
         want = model(input_ids=input_ids).logits
     got, num_reduces = sharded_logits(model, input_ids)
-    num_layers = model.config.get_text_config().num_hidden_layers
-    assert num_reduces == 2 * num_layers  # o_proj and down_proj of every layer
     for logits in got:
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    assert num_reduces == 2 * num_layers  # o_proj and down_proj of every layer
 
 
 def test_attention_and_mlp_are_cut_by_heads_and_features(model):
