@@ -177,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a remote worker started with `python -m tokenbudget.worker --port P`; "
                    "repeatable. Without it the model runs in this process. Several "
                    "workers run every step in lockstep and the first one's output is used "
-                   "(a seam for tensor parallelism, not data parallelism: it adds no "
-                   "throughput). If workers die or hang, requests in flight fail with "
+                   "(replicas: no added throughput; for a tensor-parallel group on several "
+                   "hosts, give rank 0's address once). If workers die or hang, requests in flight fail with "
                    "UNAVAILABLE and the server reconnects (backoff up to 10 s), then "
                    "serves again.")
     g.add_argument("--worker-secret-file", default=None, metavar="PATH",

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.distributed rendezvous, the same on every rank, e.g. "
                     "tcp://RANK0_HOST:29500")
     tp.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
-                    help="longest wait in any collective, joining included: a rank gone or "
-                    "hung longer breaks the group and every rank exits (default %(default)s)")
+                    help="longest wait in any collective once joined (joining waits at least "
+                    "300 s): a rank gone or hung longer breaks the group and every rank exits "
+                    "(default %(default)s)")
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["debug", "info", "warning", "error"],
                         help="level of tokenbudget's own log lines; other libraries log at "

@@ -99,3 +99,22 @@ def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_sta
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's "
                                          "num_key_value_heads=2; pick a size that divides it"):
         LLM(tiny_qwen3_path, tensor_parallel_size=4)
+
+
+def test_idle_ranks_outlive_the_collective_timeout_and_stop_in_order():
+    """Between steps the other ranks wait in a broadcast bounded by the
+    timeout; rank 0's heartbeats keep an idle group alive past it. SIGTERM to
+    rank 0 then stops every rank with status 0."""
+    import signal
+    import time
+
+    from tokenbudget.worker.parallel.launcher import LocalRanks
+
+    ranks = LocalRanks(2, dist_timeout_s=1.0)
+    try:
+        time.sleep(3.0)  # no model, no step: only heartbeats cross the group
+        assert [p.poll() for p in ranks.procs] == [None, None]
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(15) for p in ranks.procs] == [0, 0]
+    finally:
+        ranks.stop()

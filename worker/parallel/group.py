@@ -4,12 +4,12 @@ Two groups over the same ranks:
 
 - ``control`` (gloo, always): rank 0 broadcasts each message the server sent it
   (load a model, size the KV cache, run a step) so every rank runs the same
-  thing in the same order. It is the world group.
+  thing in the same order.
 - ``compute``: the all-reduces of the row-parallel layers and the KV-size
   agreement; NCCL on CUDA, gloo on CPU. Created when the device is known.
 
 Every wait is bounded by ``timeout_s`` (torch.distributed's per-group
-timeout). Between steps the other ranks sit in a control broadcast; so that an
+timeout); joining the group, by at least JOIN_TIMEOUT_S. Between steps the other ranks sit in a control broadcast; so that an
 idle server is not mistaken for a dead rank 0, rank 0 sends a heartbeat when
 it has sent nothing for ``timeout_s / 4`` seconds. A rank that died closes its
 sockets, so a peer's next collective fails at once rather than at the timeout.
@@ -30,6 +30,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 HEARTBEAT = ("heartbeat", None)
+JOIN_TIMEOUT_S = 300.0
 
 
 class GroupBrokenError(RuntimeError):
@@ -49,9 +50,12 @@ class TensorParallelGroup:
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout_s)
         self.heartbeat_s = timeout_s / 4
+        # Joining may wait for ranks still starting (other hosts, slow imports):
+        # at least JOIN_TIMEOUT_S. Every collective after it waits timeout_s at most.
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=self.timeout)
-        self.control = dist.group.WORLD
+                                world_size=world_size,
+                                timeout=max(self.timeout, timedelta(seconds=JOIN_TIMEOUT_S)))
+        self.control = dist.new_group(backend="gloo", timeout=self.timeout)
         self.compute = None
         self._compute_device: torch.device | None = None
         self.broken: BaseException | None = None

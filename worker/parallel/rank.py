@@ -57,6 +57,8 @@ def build_rank_worker(group: TensorParallelGroup, init: RankInit):
     from tokenbudget.worker.worker import Worker
 
     device = rank_device(init.device, group.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicator to the current GPU
     group.use_device(torch.device(device))
     return Worker(init.model, dtype=init.dtype or "auto", device=device,
                   attention_backend=init.attention_backend or "auto", seed=init.seed,
