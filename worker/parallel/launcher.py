@@ -72,9 +72,10 @@ class LocalRanks:
                                      f"{timeout_s:g} s")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
+        """SIGTERM to rank 0, which tells the others to stop; whatever is still
+        running at the deadline is killed."""
+        if self.procs[0].poll() is None:
+            self.procs[0].terminate()
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             try:
