@@ -178,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "repeatable. Without it the model runs in this process. Several "
                    "workers run every step in lockstep and the first one's output is used "
                    "(replicas: no added throughput; for a tensor-parallel group on several "
-                   "hosts, give rank 0's address once). If workers die or hang, requests in flight fail with "
-                   "UNAVAILABLE and the server reconnects (backoff up to 10 s), then "
-                   "serves again.")
+                   "hosts, give rank 0's address once). If workers die or hang, requests in "
+                   "flight fail with UNAVAILABLE and the server reconnects (backoff up to "
+                   "10 s), then serves again.")
     g.add_argument("--worker-secret-file", default=None, metavar="PATH",
                    help="the shared secret of workers started with the same "
                    "--worker-secret-file; sent with every call to them")

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.world_size}, --dist-init {args.dist_init})")
         from tokenbudget.worker.parallel.rank import run_rank
 
-        run_rank(args)
+        run_rank(args, secret)
         return
     try:
         server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size,

@@ -2,8 +2,9 @@
 tokenbudget.worker --rank R --world-size 2 --dist-init tcp://...`` on loopback)
 behind a real ``server --worker RANK0``: the same tokens as the in-process
 engine; then one rank is killed mid-run: in-flight requests fail with the
-reason, the server stays up and reports NOT_SERVING, and rank 0 exits instead
-of hanging. The kill test stays last in this file.
+reason, the server stays up and reports NOT_SERVING, rank 0 exits instead of
+hanging, and once both ranks are restarted the server reconnects and serves
+again. The kill test stays last in this file.
 """
 from __future__ import annotations
 
@@ -23,13 +24,17 @@ from .conftest import MAX_NUM_BATCHED_TOKENS, free_port, spawn, spawn_server, wa
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
+def spawn_ranks(dist_init: str, port: int) -> list:
+    rank = [sys.executable, "-m", "tokenbudget.worker", "--world-size", "2", "--dist-init",
+            dist_init, "--threads", "1", "--dist-timeout", "30", "--host", "127.0.0.1"]
+    return [spawn("rank0", [*rank, "--rank", "0", "--port", str(port)]),
+            spawn("rank1", [*rank, "--rank", "1"])]
+
+
 @pytest.fixture(scope="module")
 def tp_cluster(tiny_model):
     dist_init, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    rank = [sys.executable, "-m", "tokenbudget.worker", "--world-size", "2", "--dist-init",
-            dist_init, "--threads", "1", "--dist-timeout", "30", "--host", "127.0.0.1"]
-    procs = [spawn("rank0", [*rank, "--rank", "0", "--port", str(port)]),
-             spawn("rank1", [*rank, "--rank", "1"]),
+    procs = [*spawn_ranks(dist_init, port),
              spawn_server("tp-server", tiny_model, "--worker", f"127.0.0.1:{port}",
                           "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                           "--num-gpu-blocks", "512")]
@@ -41,7 +46,7 @@ def tp_cluster(tiny_model):
         for p in procs:
             p.stop()
         raise
-    yield procs
+    yield procs, (dist_init, port)
     for p in reversed(procs):
         p.stop()
 
@@ -52,7 +57,8 @@ def test_two_host_group_behind_a_server_generates_what_the_in_process_llm_does(t
                "def fibonacci(n: int) -> int:"]
     want = [r.token_ids for r in oracle.generate(prompts, GREEDY)]
     got: dict[int, list[int]] = {}
-    with Client(tp_cluster[2].address) as c:
+    procs, _ = tp_cluster
+    with Client(procs[2].address) as c:
         def run(i: int) -> None:
             got[i] = c.generate(prompts[i], GREEDY).token_ids
 
@@ -62,11 +68,13 @@ def test_two_host_group_behind_a_server_generates_what_the_in_process_llm_does(t
         for t in threads:
             t.join(60)
         assert [got[i] for i in range(len(prompts))] == want
-    assert "rank 1: loading" in "".join(tp_cluster[1].log)  # rank 1 did its share
+    assert "rank 1: loading" in "".join(procs[1].log)  # rank 1 did its share
 
 
-def test_killing_a_rank_fails_in_flight_requests_and_no_rank_hangs(tp_cluster):
-    rank0, rank1, server = tp_cluster
+def test_killing_a_rank_fails_in_flight_requests_and_restarted_ranks_serve_again(tp_cluster,
+                                                                                 oracle):
+    procs, (dist_init, port) = tp_cluster
+    rank0, rank1, server = procs
     params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     with Client(server.address) as c:
         errors: list[tuple[grpc.StatusCode, str, float]] = []
@@ -102,3 +110,10 @@ def test_killing_a_rank_fails_in_flight_requests_and_no_rank_hangs(tp_cluster):
     # Rank 0 left the broken group and exited (status 1); the server stays up.
     assert rank0.proc.wait(15) == 1
     assert server.proc.poll() is None
+    # The ranks restarted as before (by hand, or a supervisor): the server,
+    # reconnecting with backoff, serves again.
+    procs[:2] = spawn_ranks(dist_init, port)
+    wait_serving(server.address, timeout=120)
+    with Client(server.address) as c:
+        assert c.generate("Hello!", GREEDY).token_ids == oracle.generate(["Hello!"], GREEDY)[0] \
+            .token_ids

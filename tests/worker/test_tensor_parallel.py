@@ -118,3 +118,28 @@ def test_idle_ranks_outlive_the_collective_timeout_and_stop_in_order():
         assert [p.wait(15) for p in ranks.procs] == [0, 0]
     finally:
         ranks.stop()
+
+
+def test_a_killed_rank_fails_the_step_with_the_reason_and_a_fresh_group_recovers(
+        tp_llm, prompts, hf_greedy_16):
+    """Kept last: it breaks tp_llm's group. The step fails at once (the dead
+    rank's sockets close), rank 0 leaves the group, and the reconnection the
+    server's engine makes with backoff (discard, reinitialize) starts a fresh
+    group that generates the same tokens."""
+    import time
+
+    from tokenbudget.worker.remote_executor import WorkerUnavailableError
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    old = tp_llm.executor.ranks.procs
+    old[1].kill()
+    start = time.monotonic()
+    with pytest.raises(WorkerUnavailableError, match="tensor-parallel group broken"):
+        tp_llm.generate({"prompt_token_ids": prompts[2]}, params)
+    assert time.monotonic() - start < 10
+    assert old[0].wait(15) == 1  # rank 0 left the broken group
+    tp_llm.engine.discard_requests()
+    tp_llm.engine.reinitialize()
+    assert tp_llm.executor.ranks.procs[0] is not old[0]
+    got = tp_llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params)
+    assert [r.token_ids for r in got] == hf_greedy_16[:3]

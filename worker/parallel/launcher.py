@@ -3,10 +3,9 @@
 drive rank 0 as a remote worker; rank 0 fans each step out to the others.
 
 The ranks are separate processes even for rank 0, so a rank that dies takes
-only the group down: the engine sees the broken stream, fails its in-flight
-requests with the reason and reports itself dead (the server: NOT_SERVING),
-and the server or LLM process stays up. A new engine (a restarted server, a
-new LLM) starts a fresh group.
+only the group down: the engine sees the failed step, fails its in-flight
+requests with the reason (the server: NOT_SERVING) and stays up; its
+reconnection (``reinitialize``) starts a fresh group.
 """
 from __future__ import annotations
 
@@ -105,8 +104,9 @@ class TensorParallelExecutor(RemoteExecutor):
             import torch
 
             threads = max(1, torch.get_num_threads() // tensor_parallel_size)
-        self.ranks = LocalRanks(tensor_parallel_size, threads=threads,
-                                dist_timeout_s=dist_timeout_s)
+        self._start = lambda: LocalRanks(tensor_parallel_size, threads=threads,
+                                         dist_timeout_s=dist_timeout_s)
+        self.ranks = self._start()
         super().__init__([self.ranks.address], model, dtype=dtype, device=device,
                          attention_backend=attention_backend)
 
@@ -116,6 +116,15 @@ class TensorParallelExecutor(RemoteExecutor):
         except BaseException:
             self.shutdown()
             raise
+
+    def reinitialize(self, connect_timeout: float = 2.0) -> int:
+        """After a failure (the engine retries with backoff): a broken group
+        cannot be mended, so stop what is left of it, start a fresh one and
+        initialise it with the same configuration."""
+        self.ranks.stop()
+        self.ranks = self._start()
+        self._addresses = [self.ranks.address]
+        return super().reinitialize(connect_timeout)
 
     def shutdown(self) -> None:
         super().shutdown()

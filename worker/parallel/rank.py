@@ -137,8 +137,11 @@ def follow(group: TensorParallelGroup) -> int:
         return 1
 
 
-def run_rank(args) -> None:
-    """The worker process of one rank (``__main__`` parsed ``args``)."""
+def run_rank(args, secret: str | None) -> None:
+    """The worker process of one rank (``__main__`` parsed ``args``); rank 0's
+    gRPC port asks for ``secret`` when given. The rendezvous and the group's
+    own connections carry no secret (and rank 0's messages are pickles): keep
+    them on a network only the ranks reach."""
     import signal
     import sys
 
@@ -169,8 +172,8 @@ def run_rank(args) -> None:
 
     try:
         server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size,
-                                   gc_threshold=args.gc_threshold, worker_factory=factory,
-                                   stop_event=stop)
+                                   gc_threshold=args.gc_threshold, secret=secret,
+                                   worker_factory=factory, stop_event=stop)
     except BindError as exc:
         sys.exit(f"worker: {exc}")
     group.start_heartbeat(on_broken)
