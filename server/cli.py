@@ -470,7 +470,8 @@ def _make_executor(args: argparse.Namespace, model: str, async_scheduling: bool)
         return TensorParallelExecutor(model, args.tensor_parallel_size, dtype=args.dtype,
                                       device=args.device or "",
                                       attention_backend=args.attention_backend,
-                                      threads=args.torch_threads or None)
+                                      threads=args.torch_threads or None,
+                                      step_timeout=getattr(args, "worker_step_timeout", 0.0))
     from tokenbudget.worker.executor import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 

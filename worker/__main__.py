@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest wait in any collective once joined (joining waits at least "
                     "300 s): a rank gone or hung longer breaks the group and every rank exits "
                     "(default %(default)s)")
+    # Set by the launcher of --tensor-parallel-size: rank 0 stops when that
+    # process is gone.
+    tp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["debug", "info", "warning", "error"],
                         help="level of tokenbudget's own log lines; other libraries log at "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -34,13 +33,15 @@ class LocalRanks:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         self.procs: list[subprocess.Popen] = []
         for rank in range(world_size):
+            # --parent-pid: rank 0 stops when this process is gone (the others follow
+            # it), so no rank outlives the engine that started it.
             argv = [sys.executable, "-m", "tokenbudget.worker", "--rank", str(rank),
                     "--world-size", str(world_size), "--dist-init", init, "--host", "127.0.0.1",
                     "--port", "0", "--threads", str(threads), "--dist-timeout",
-                    str(dist_timeout_s)]
+                    str(dist_timeout_s), "--parent-pid", str(os.getpid())]
             self.procs.append(subprocess.Popen(
                 argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                text=True, preexec_fn=_die_with_parent))
+                text=True))
         self.address = self._wait_ready(start_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> str:
@@ -89,9 +90,10 @@ class TensorParallelExecutor(RemoteExecutor):
 
     def __init__(self, model: str, tensor_parallel_size: int, *, dtype: str = "auto",
                  device: str = "", attention_backend: str = "auto", threads: int | None = None,
-                 dist_timeout_s: float = 300.0) -> None:
+                 dist_timeout_s: float = 300.0, step_timeout: float = 0.0) -> None:
         """``threads``: torch threads per rank (default: this process's share
-        of torch's, so the ranks do not oversubscribe the cores)."""
+        of torch's, so the ranks do not oversubscribe the cores);
+        ``step_timeout``: as RemoteExecutor's (0: rely on ``dist_timeout_s``)."""
         from tokenbudget.worker.loader import check_supported
         from tokenbudget.worker.model_source import load_config
         from tokenbudget.worker.parallel.sharding import check_tensor_parallel_size
@@ -108,7 +110,7 @@ class TensorParallelExecutor(RemoteExecutor):
                                          dist_timeout_s=dist_timeout_s)
         self.ranks = self._start()
         super().__init__([self.ranks.address], model, dtype=dtype, device=device,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, step_timeout=step_timeout)
 
     def initialize(self, cache_config, scheduler_config) -> int:
         try:
@@ -137,14 +139,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def _die_with_parent() -> None:
-    """In the child, Linux only: SIGTERM when the parent goes, so no rank
-    outlives the engine that started it (the kernel sends it when the thread
-    that started the child exits: build the engine on a thread that lives as
-    long as it, as the server's main thread and a script's do)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -177,6 +177,9 @@ def run_rank(args, secret: str | None) -> None:
     except BindError as exc:
         sys.exit(f"worker: {exc}")
     group.start_heartbeat(on_broken)
+    if args.parent_pid is not None:
+        threading.Thread(target=_stop_when_orphaned, args=(args.parent_pid, stop), daemon=True,
+                         name="tokenbudget-tp-parent").start()
     # The readiness line of every worker: the other ranks have joined by now.
     print(f"tokenbudget worker listening on {args.host}:{port}", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -190,3 +193,13 @@ def run_rank(args, secret: str | None) -> None:
     server.stop(grace=2).wait()
     sys.stdout.flush()
     os._exit(1 if group.broken is not None else 0)
+
+
+def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
+    """Set ``stop`` once the process that started this rank is gone (this
+    process is then adopted by another: its parent pid changes)."""
+    while not stop.wait(1.0):
+        if os.getppid() != parent_pid:
+            logger.error("the engine that started this rank (pid %d) is gone; rank 0 stops",
+                         parent_pid)
+            stop.set()
