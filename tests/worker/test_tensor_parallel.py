@@ -66,10 +66,12 @@ def test_tp2_random_sampling_keeps_the_ranks_in_step(tp_llm, tp1_llm, prompts):
     assert got == pytest.approx(want, abs=1e-4)
 
 
-def test_tp2_vision_language_greedy_equals_transformers(tmp_path_factory, vl_chats):
+def test_tp2_vision_language_greedy_equals_tp1_and_transformers(tmp_path_factory, vl_chats):
     """The vision tower runs replicated on each rank; the language model is
-    sharded by Qwen2.5-VL's plan. Chunks start and end inside images, and the
-    second chat's image is the first chat's second (an encoder-cache hit)."""
+    sharded by Qwen2.5-VL's plan. Chunks start and end inside images, the
+    second chat's image is the first chat's second (an encoder-cache hit),
+    19 blocks of 4 tokens preempt one chat, and the second round hits the
+    prefix cache; async scheduling is on."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -81,14 +83,29 @@ def test_tp2_vision_language_greedy_equals_transformers(tmp_path_factory, vl_cha
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     expected = [hf_generate_vl_ids(model, *processor.process_messages(chat), 8, ignore_eos=True)
                 for chat in vl_chats]
-    llm = LLM(path, tensor_parallel_size=2, dtype="float32", device="cpu", num_gpu_blocks=64,
-              max_num_batched_tokens=16)
+    del model
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    chats = [{"messages": c} for c in vl_chats]
+    args = dict(dtype="float32", device="cpu", block_size=4, num_gpu_blocks=19,
+                max_num_batched_tokens=16)
+    tp1 = LLM(path, **args)
     try:
-        results = llm.generate([{"messages": c} for c in vl_chats],
-                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert [r.token_ids for r in tp1.generate(chats, params)] == expected
+    finally:
+        tp1.shutdown()
+    llm = LLM(path, tensor_parallel_size=2, **args)
+    try:
+        assert llm.engine.async_scheduling
+        first = llm.generate(chats, params)
+        preemptions = llm.engine.scheduler.make_stats().num_preemptions
+        again = llm.generate(chats, params)
+        llm.engine.scheduler.kv_cache_manager.block_pool.check_invariants()
     finally:
         llm.shutdown()
-    assert [r.token_ids for r in results] == expected
+    assert [r.token_ids for r in first] == expected
+    assert preemptions > 0
+    assert [r.token_ids for r in again] == expected
+    assert all(r.num_cached_tokens > 0 for r in again)  # prefix hits, images included
 
 
 def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_starts(

@@ -118,3 +118,51 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_qwen3_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's "
                                          "num_key_value_heads=2"):
         check_tensor_parallel_size(config, 4)
+
+
+class ThreadGroup:
+    """The slice of TensorParallelGroup a ModelRunner uses, for ranks that are threads."""
+
+    def __init__(self, rank: int, world_size: int, reduce: ThreadAllReduce,
+                 values: list[int | None]) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._reduce, self._values = reduce, values
+
+    def shard(self, net) -> int:
+        return shard_model(net, self.rank, self.world_size, self._reduce.for_rank(self.rank))
+
+    def min_over_ranks(self, value: int) -> int:
+        self._values[self.rank] = value
+        self._reduce.barrier.wait()
+        return min(self._values)
+
+
+def test_kv_cache_holds_this_ranks_kv_heads_and_the_blocks_every_rank_can_hold(tiny_qwen3_path):
+    """Ranks whose memory differs (as free GPU memory does) agree on the
+    smallest block count: a rank with more blocks than another would hand out
+    block ids the other cannot hold."""
+    from tokenbudget.core.config import CacheConfig, SchedulerConfig
+    from tokenbudget.worker.attention import kv_cache_bytes_per_block
+    from tokenbudget.worker.model_runner import ModelRunner
+
+    per_block = kv_cache_bytes_per_block(2, 4, 1, 16, torch.float32)  # 1 of 2 KV heads
+    memory = [40 * per_block, 25 * per_block]
+    reduce, values = ThreadAllReduce(2), [None, None]
+    runners, blocks = [None, None], [None, None]
+
+    def run(rank: int) -> None:
+        runners[rank] = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu",
+                                    parallel=ThreadGroup(rank, 2, reduce, values))
+        blocks[rank] = runners[rank].initialize_kv_cache(
+            CacheConfig(block_size=4, kv_cache_memory_bytes=memory[rank]),
+            SchedulerConfig(max_model_len=64))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert blocks == [25, 25]
+    assert values == [40, 25]  # each rank's own budget, in blocks of its own KV heads
+    for runner in runners:  # [K/V, blocks, block size, this rank's KV heads, head_dim]
+        assert [tuple(kv.shape) for kv in runner.kv_caches] == [(2, 25, 4, 1, 16)] * 2
