@@ -7,7 +7,8 @@ line still showed requests running or waiting), one line like vLLM's::
     KV cache usage: 41.2%, Prefix cache hit rate: 63.0%, Finished: 130 reqs, Preemptions: 0
 
 (throughput, finished requests and preemptions over the interval; the others
-as last observed; the hit rate since start). At debug level (at info with
+as last observed; the hit rate since start; with speculative decoding, the draft
+acceptance rate and mean accepted length since start are appended). At debug level (at info with
 ``log_requests``, vLLM's ``--enable-log-requests``), one line per finished
 request. The engine thread only records numbers (EngineMetrics
 forwards its hooks here); a daemon thread writes the periodic line, so an
@@ -106,6 +107,11 @@ class StatsLogger:
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {kv * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%, "
                 f"Finished: {d_finished} reqs, Preemptions: {d_preemptions}")
+        if stats is not None and getattr(stats, "spec_num_drafts", 0):
+            # Speculative decoding, since start (like the hit rate).
+            rate = stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1)
+            line += (f", Draft acceptance rate: {rate * 100:.1f}%, "
+                     f"Mean accepted length: {stats.spec_mean_accepted_length:.2f}")
         logger.info("%s", line)
         return line
 

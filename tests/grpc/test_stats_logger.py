@@ -60,6 +60,17 @@ def test_stats_line_gives_the_intervals_throughput_and_counts_and_the_current_ga
         "Preemptions: 1")
 
 
+def test_stats_line_appends_draft_acceptance_with_speculative_decoding(metrics):
+    logger = metrics.stats_logger
+    logger.log(now=0.0)
+    metrics.observe_tokens(10)
+    metrics.observe_engine(Stats(num_running=1, spec_num_drafts=4, spec_num_draft_tokens=16,
+                                 spec_num_accepted_tokens=6, spec_mean_accepted_length=2.5,
+                                 spec_accepted_per_position=[4, 2]))
+    assert logger.log(now=10.0).endswith(
+        "Preemptions: 0, Draft acceptance rate: 37.5%, Mean accepted length: 2.50")
+
+
 def test_stats_line_is_written_once_more_after_the_engine_drains_then_stays_quiet(metrics):
     logger = metrics.stats_logger
     logger.log(now=0.0)
