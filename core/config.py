@@ -18,16 +18,6 @@ POLICY_OPTIONS = (
     "fair_share_chunk_cap",
 )
 
-# Async scheduling plans step N+1 before step N's output is known; with drafts
-# that output decides how many tokens step N kept, hence where step N+1's
-# inputs start and which KV slots they write.
-ASYNC_SPEC_CONFLICT = (
-    "speculative_config does not combine with async_scheduling: the step scheduled "
-    "while another runs would have to guess how many of that step's drafts are "
-    "accepted (positions, KV slots and drafts all depend on it); turn async "
-    "scheduling off (--no-async-scheduling, async_scheduling=False), which is "
-    "the default when speculative_config is given")
-
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -136,8 +126,6 @@ class SchedulerConfig:
         if self.encoder_cache_size < 0 or self.encoder_compute_budget < 0:
             raise ValueError("encoder_cache_size and encoder_compute_budget must be >= 0")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError(ASYNC_SPEC_CONFLICT)
 
 
 @dataclass(slots=True)

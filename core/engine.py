@@ -5,6 +5,11 @@ the worker: every request that will sample in step N carries one output
 placeholder, and the worker feeds its own last sampled token as the next
 input. Both loops produce the same tokens.
 
+Speculative decoding overlaps steps only while no drafts are proposed: a step
+that verifies drafts runs alone, since how many it accepts decides where the
+next step starts, so the loop is synchronous while drafts keep coming and
+overlapped again once the proposer finds nothing (text that does not repeat).
+
 A structured request's bitmask for step N+1 depends on the token step N
 samples. Executors that set ``defers_grammar_bitmask`` accept a pending mask
 (a Future their worker waits on right before sampling): the engine sends step
@@ -84,9 +89,14 @@ class EngineCore:
         sent = False
         s = self.scheduler
         outputs: list[RequestOutput] = []
-        if not self._defer_masks and any(so.structured_req_ids for so, _ in self._in_flight):
+        if (not self._defer_masks and any(so.structured_req_ids for so, _ in self._in_flight)) \
+                or s.num_stale_drafts or any(so.scheduled_spec_decode_tokens
+                                             for so, _ in self._in_flight):
             # The next grammar bitmask must see the tokens those steps sample:
-            # with structured requests sampling, steps do not overlap.
+            # with structured requests sampling, steps do not overlap. Nor do
+            # they while drafts are verified: how many a step accepts decides
+            # where the next one starts, and drafts proposed while a step was
+            # in flight are stale.
             while self._in_flight:
                 outputs += self._apply_oldest()
         if s.has_unfinished_requests() or s.finished_req_ids:

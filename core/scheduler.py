@@ -91,6 +91,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_decoding_stats = SpecDecodingStats()
+        # Drafts the last update dropped because a step in flight made them stale.
+        self.num_stale_drafts = 0
         self._pick_victim_from = make_victim_picker(scheduler_config)
         block_size = cache_config.block_size
         self._order = (WaitingOrder(scheduler_config, block_size)
@@ -652,6 +654,10 @@ class Scheduler:
         fair = self._fair
         if self._slo is not None:
             self._slo.on_scheduled(sum(step.num_scheduled.values()))
+        for rid in step.spec_tokens:
+            # Scheduled drafts are spent: a step scheduled before this one's
+            # output is known (async) must not verify them again.
+            requests[rid].spec_token_ids = []
         if fair is None and not placeholders:
             for rid, n in step.num_scheduled.items():
                 requests[rid].num_computed_tokens += n
@@ -670,6 +676,7 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         outputs = self.take_side_outputs()
         requests = self.requests
+        self.num_stale_drafts = 0
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
@@ -733,9 +740,13 @@ class Scheduler:
                     self.waiting.remove_requests([req])
                 self._free_request(req, status)
             elif drafts is not None and drafts[i]:
-                req.spec_token_ids = self._fit_drafts(req, drafts[i])
-            elif req.spec_token_ids:
-                req.spec_token_ids = []  # verified this step, nothing new proposed
+                if req.num_output_placeholders:
+                    # Async: a step already in flight extends the sequence these
+                    # drafts were proposed for; the engine drains so that the next
+                    # proposals are fresh (EngineCore._step_async).
+                    self.num_stale_drafts += 1
+                else:
+                    req.spec_token_ids = self._fit_drafts(req, drafts[i])
             # Positional: a keyword makes the dataclass's __init__ a third slower.
             outputs.append(RequestOutput(rid, kept, RequestStatus.finish_reason(status)
                                          if status is not None else None,

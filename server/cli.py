@@ -214,10 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's name, which has fcfs and priority; slo orders by the requests' "
                    "TTFT deadlines)")
     g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
-                   default=None, help="schedule step N+1 while step N runs (the default, for "
+                   default=True, help="schedule step N+1 while step N runs (the default, for "
                    "server and LLM alike: the same tokens, and the worker never waits for the "
-                   "scheduler; off by default with --speculative-config, which it does not "
-                   "combine with)")
+                   "scheduler; with --speculative-config, steps verifying drafts run alone)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="schedule step N+1 only after step N returned")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -427,12 +426,12 @@ def build_engine(args: argparse.Namespace, metrics=None):
                                         tokenizer_eos_token_id=input_processor.eos_token_id)
     # Loading the weights takes seconds to minutes: a taken port fails first.
     check_port_free(args.host, args.port)
-    executor = _make_executor(args, model, engine_args.use_async_scheduling)
+    executor = _make_executor(args, model, engine_args.async_scheduling)
     core = EngineCore(scheduler_config, cache_config, executor,
                       engine_args.structured_output_manager(input_processor.tokenizer,
                                                             text_config.vocab_size))
     logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
-                cache_config.block_size, "on" if engine_args.use_async_scheduling else "off")
+                cache_config.block_size, "on" if engine_args.async_scheduling else "off")
     return AsyncEngine(core, input_processor, metrics, model_name=model,
                        served_model_name=args.served_model_name,
                        sampling_defaults=defaults.sampling, eos_token_ids=defaults.eos_token_ids,

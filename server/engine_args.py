@@ -17,8 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenbudget.core.config import (ASYNC_SPEC_CONFLICT, POLICY_OPTIONS, CacheConfig,
-                                     SchedulerConfig)
+from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.structured_output import DEFAULT_GRAMMAR_CACHE_BYTES
@@ -82,9 +81,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     # On for LLM and server alike: step N+1 is scheduled while step N runs
-    # (same tokens as off; the server measured it faster). None: on, except
-    # with speculative decoding, which it does not combine with.
-    async_scheduling: bool | None = None
+    # (same tokens as off; the server measured it faster).
+    async_scheduling: bool = True
     # Vision encoder budget per step and encoder cache size, in embeddings.
     encoder_compute_budget: int = 8192
     encoder_cache_size: int = 8192
@@ -181,9 +179,6 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None and self.async_scheduling:
-            raise UnsupportedArgument("async_scheduling with speculative_config",
-                                      ASYNC_SPEC_CONFLICT.split(": ", 1)[1])
         for name in ("max_image_pixels", "max_image_pixels_per_request", "max_prompt_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -195,12 +190,6 @@ class EngineArgs:
                              f"{self.grammar_compile_timeout_s}")
         if self.enforce_eager:
             logger.debug("enforce_eager: tokenbudget never captures CUDA graphs (always eager)")
-
-    @property
-    def use_async_scheduling(self) -> bool:
-        if self.async_scheduling is None:
-            return self.speculative_config is None
-        return self.async_scheduling
 
     def max_logprobs_for(self, vocab_size: int) -> int:
         return vocab_size if self.max_logprobs == -1 else self.max_logprobs
@@ -248,7 +237,7 @@ class EngineArgs:
             encoder_compute_budget=self.encoder_compute_budget,
             encoder_cache_size=self.encoder_cache_size,
             speculative_config=self.speculative_config,
-            async_scheduling=self.use_async_scheduling, **self.policy_options)
+            async_scheduling=self.async_scheduling, **self.policy_options)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(

@@ -121,7 +121,7 @@ class LLM:
                             attention_backend=args.attention_backend,
                             trust_remote_code=args.trust_remote_code, revision=args.revision,
                             kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
-            executor = InProcessExecutor(worker, async_mode=args.use_async_scheduling)
+            executor = InProcessExecutor(worker, async_mode=args.async_scheduling)
             text_config = worker.model_runner.text_config
         vocab_size = text_config.vocab_size
         max_model_len = args.resolve_max_model_len(text_config)

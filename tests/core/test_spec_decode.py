@@ -2,6 +2,8 @@
 roll back num_computed_tokens, and tokens past a stop are dropped."""
 from __future__ import annotations
 
+from tokenbudget.core import ModelRunnerOutput
+
 DRAFTS = [101, 102, 103]
 
 
@@ -81,3 +83,37 @@ def test_a_step_without_new_drafts_schedules_no_stale_ones(make_scheduler, make_
 
     assert so.scheduled_spec_decode_tokens == {}
     assert so.num_scheduled_tokens == {"r": 1}
+
+
+def _output(rid: str, tokens: list[int], drafts: list[int]) -> ModelRunnerOutput:
+    return ModelRunnerOutput([rid], {rid: 0}, [tokens], spec_token_ids=[drafts])
+
+
+def test_async_drops_drafts_a_step_in_flight_made_stale_and_spends_scheduled_ones(
+        make_scheduler, make_request):
+    s = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                       block_size=4, async_scheduling=True)
+    s.add_request(make_request("r", 8, max_tokens=20))
+    r = s.requests["r"]
+    so1 = s.schedule()  # the prompt; samples output 0
+    so2 = s.schedule()  # output 0's decode, sent before so1's output is known
+    assert so2.num_scheduled_tokens == {"r": 1}
+
+    s.update_from_output(so1, _output("r", [5], [6, 7, 8]))
+    # Proposed to follow token 5, but so2 (in flight) appends a token first: stale.
+    assert (s.num_stale_drafts, r.spec_token_ids) == (1, [])
+    s.update_from_output(so2, _output("r", [6], [7, 8, 9]))
+    assert (s.num_stale_drafts, r.spec_token_ids) == (0, [7, 8, 9])
+
+    so3 = s.schedule()
+    assert so3.scheduled_spec_decode_tokens == {"r": [7, 8, 9]}
+    assert so3.num_scheduled_tokens == {"r": 4}
+    assert r.spec_token_ids == []  # spent
+    so4 = s.schedule()  # while so3 verifies: nothing of r's is known yet
+    assert "r" not in so4.num_scheduled_tokens
+
+    s.update_from_output(so3, _output("r", [7, 8, 1], [2, 3, 4]))  # 2 drafts + 1 accepted
+    assert r.output_token_ids == [5, 6, 7, 8, 1]
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (12, 0)
+    assert r.spec_token_ids == [2, 3, 4]
+    assert s.make_stats().spec_decoding.accepted_per_position == [1, 1]

@@ -22,9 +22,7 @@ OTHER_VALUE = {"policy": "lpm", "preemption_mode": "retract", "hash_algo": "xxha
                "kv_cache_memory_bytes": 1 << 20, "admission_reserve": True,
                "gpu_memory_utilization": 0.5,
                "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-               # Async scheduling is on by default (without speculative decoding).
-               "async_scheduling": False}
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
 # The value a setting holds in its config when given as in OTHER_VALUE, where they differ.
 IN_CONFIG = {"speculative_config": SpeculativeConfig("ngram", 3, 2, 4)}
 
@@ -80,12 +78,8 @@ def test_policy_options_are_scheduler_config_fields():
 
 
 def test_llm_and_server_share_one_async_scheduling_default_on():
-    # On unless speculative decoding is asked for (which it does not combine with).
-    assert EngineArgs().use_async_scheduling is True
-    assert EngineArgs.from_cli_args(cli.build_parser().parse_args([])).use_async_scheduling
-    spec = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    spec.check()
-    assert spec.use_async_scheduling is False
+    assert EngineArgs().async_scheduling is True
+    assert cli.build_parser().parse_args([]).async_scheduling is True
     assert "default" in next(a.help for a in cli.build_parser()._actions
                              if a.dest == "async_scheduling" and a.option_strings[0]
                              == "--async-scheduling")

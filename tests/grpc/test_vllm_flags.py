@@ -46,12 +46,12 @@ SETTINGS = [
     (["--fair-share"], lambda s: s.sched.fair_share_chunk_cap is True),
     (["--fair-share", "--no-fair-share-chunk-cap"],
      lambda s: s.sched.fair_share_chunk_cap is False),
-    # Speculative decoding (issue 13): vLLM's JSON; async scheduling goes off by default.
+    # Speculative decoding (issue 13): vLLM's JSON.
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
       '"prompt_lookup_min": 2, "prompt_lookup_max": 5}'],
      lambda s: (s.sched.num_speculative_tokens, s.sched.speculative_config.prompt_lookup_min,
                 s.sched.speculative_config.prompt_lookup_max, s.sched.async_scheduling)
-     == (4, 2, 5, False)),
+     == (4, 2, 5, True)),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
       '"prompt_lookup_max": 4}', "--no-async-scheduling"],
      lambda s: (s.sched.speculative_config.prompt_lookup_min, s.sched.async_scheduling)
@@ -97,8 +97,6 @@ REFUSED = [
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2'],
      "speculative_config is not valid JSON"),
     (["--speculative-config", '[2]'], "speculative_config must be a dict"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
-      "--async-scheduling"], "async_scheduling with speculative_config is not supported"),
     (["--tensor-parallel-size", "2", "--worker", "127.0.0.1:1"], "--tensor-parallel-size with "
      "--worker is not supported: ranks on other hosts are started with"),
     (["--tensor-parallel-size", "2", "--trust-remote-code"], "trust_remote_code with "
@@ -172,14 +170,11 @@ def test_llm_takes_speculative_config_as_a_dict_and_checks_it():
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
     sched = args.scheduler_config(64)
     assert (sched.num_speculative_tokens, sched.speculative_config.prompt_lookup_max,
-            sched.async_scheduling) == (2, 1, False)
+            sched.async_scheduling) == (2, 1, True)
     with pytest.raises(ValueError, match="speculative_config.prompt_lookup_max must be >= 1"):
         EngineArgs.from_kwargs("m", speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
             "prompt_lookup_max": 0})
-    with pytest.raises(ValueError, match="async_scheduling with speculative_config"):
-        EngineArgs.from_kwargs("m", async_scheduling=True, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(TypeError, match="unknown engine argument 'num_speculative_tokens'"):
         EngineArgs.from_kwargs("m", num_speculative_tokens=2)
 

@@ -1,9 +1,8 @@
 """Speculative decoding with the n-gram proposer, end to end through LLM: greedy tokens
 equal transformers generate() and the engine without drafts (chunked prefill, prefix hits,
-preemption, a VL model, a remote worker over gRPC); seeded sampling gives the very same
-tokens as without drafts; the acceptance counters reach make_stats, GetStats and
-Prometheus. Each case checks that drafts were both accepted and rejected, so the
-verification path ran."""
+preemption, async scheduling, a VL model); seeded and structured sampling give the very
+same tokens as without drafts. Each case checks that drafts were both accepted and
+rejected, so the verification path ran."""
 from __future__ import annotations
 
 import re
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.core import SamplingParams, SchedulerConfig
+from tokenbudget.core import SamplingParams
 from tokenbudget.server import LLM
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -23,8 +22,7 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 def make_llm(path, spec=SPEC, **kwargs) -> LLM:
     kwargs.setdefault("num_gpu_blocks", 256)
-    if spec is None:
-        kwargs.setdefault("async_scheduling", False)
+    kwargs.setdefault("async_scheduling", False)  # the async cases ask for it
     return LLM(path, dtype="float32", device="cpu", speculative_config=spec, **kwargs)
 
 
@@ -48,12 +46,19 @@ def expected(prompts, hf_greedy):
     {},
     {"max_num_batched_tokens": 64},                      # chunked prefill beside drafts
     {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
-], ids=["one-batch", "chunked-prefill", "small-chunks-small-blocks"])
+    {"async_scheduling": True},
+    {"async_scheduling": True, "max_num_batched_tokens": 64},
+], ids=["one-batch", "chunked-prefill", "small-chunks-small-blocks", "async",
+        "async-chunked-prefill"])
 def test_greedy_with_drafts_equals_transformers_generate(tiny_qwen3_path, prompts, expected,
-                                                         engine_args):
+                                                         overlap_recorder, engine_args):
     llm = make_llm(tiny_qwen3_path, **engine_args)
+    recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate(token_prompts(prompts), GREEDY)
     assert [r.token_ids for r in results] == expected
+    # Async still overlaps the steps that verify no drafts; sync never does.
+    overlaps = recorder.num_overlapped_steps
+    assert overlaps > 0 if engine_args.get("async_scheduling") else overlaps == 0
     assert_drafts_verified(llm)
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1  # no block leaked
@@ -93,14 +98,16 @@ SAMPLED = [
 ]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_qwen3_path,
-                                                                       prompts):
+                                                                       prompts,
+                                                                       async_scheduling):
     """The verification step draws row t from the randomness a plain step would use for
     that output position, and rewinds the request's generator past rejected rows."""
     batch = token_prompts(prompts[:5]) * 2
     params = SAMPLED + [SamplingParams(**{**_fields(p), "seed": p.seed + 10}) for p in SAMPLED]
     plain = make_llm(tiny_qwen3_path, spec=None).generate(batch, params)
-    llm = make_llm(tiny_qwen3_path)
+    llm = make_llm(tiny_qwen3_path, async_scheduling=async_scheduling)
     drafted = llm.generate(batch, params)
     assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
     for d, p in zip(drafted[:1], plain[:1]):  # logprobs=2: the same entries, same values
@@ -117,30 +124,20 @@ def _fields(params: SamplingParams) -> dict:
         "min_tokens", "stop_token_ids")}
 
 
-def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path,
+                                                              async_scheduling):
     regex = r"(ab|ba){6,12}[0-9]{2}"
     params = [SamplingParams(temperature=0.7, seed=s, max_tokens=48, structured={"regex": regex})
               for s in range(4)] + [SamplingParams(temperature=0.0, max_tokens=48,
                                                    structured={"regex": regex})]
     prompts = ["abab", "The quick brown fox", "baba ab", "Numbers: 0 1 2", "ab ba ab"]
     plain = make_llm(tiny_qwen3_path, spec=None).generate(prompts, params)
-    llm = make_llm(tiny_qwen3_path)
+    llm = make_llm(tiny_qwen3_path, async_scheduling=async_scheduling)
     drafted = llm.generate(prompts, params)
     assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
     assert all(re.fullmatch(regex, r.text) for r in drafted), [r.text for r in drafted]
     assert llm.engine.scheduler.make_stats().spec_decoding.num_accepted_tokens > 0
-
-
-def test_async_scheduling_with_drafts_is_refused():
-    with pytest.raises(ValueError, match="speculative_config does not combine with "
-                                         "async_scheduling"):
-        SchedulerConfig(async_scheduling=True, speculative_config=SPEC)
-
-
-def test_llm_turns_async_scheduling_off_for_drafts(tiny_qwen3_path):
-    llm = make_llm(tiny_qwen3_path)
-    assert llm.engine.async_scheduling is False
-    assert llm.engine.scheduler.scheduler_config.num_speculative_tokens == 4
 
 
 def test_vl_greedy_with_drafts_equals_transformers_generate(tmp_path_factory, vl_chats):
