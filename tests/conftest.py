@@ -70,6 +70,7 @@ class OverlapRecorder:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.events: list[tuple[str, int]] = []
+        self.drafted: set[int] = set()  # steps that verify drafts
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # defers_grammar_bitmask and the like
@@ -82,6 +83,8 @@ class OverlapRecorder:
 
         n = sum(1 for kind, _ in self.events if kind == "send")
         self.events.append(("send", n))
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self.drafted.add(n)
         inner = self.inner.execute_model(scheduler_output)
         events = self.events
 
@@ -113,6 +116,20 @@ class OverlapRecorder:
             elif n > 0 and n - 1 not in applied:
                 overlapped += 1
         return overlapped
+
+    @property
+    def num_steps_beside_drafts(self) -> int:
+        """Steps sent while a step verifying drafts was unapplied (they should run alone)."""
+        unapplied: set[int] = set()
+        beside = 0
+        for kind, n in self.events:
+            if kind == "apply":
+                unapplied.discard(n)
+                continue
+            beside += bool(unapplied)
+            if n in self.drafted:
+                unapplied.add(n)
+        return beside
 
 
 @pytest.fixture(scope="session")

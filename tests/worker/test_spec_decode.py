@@ -37,6 +37,14 @@ def assert_drafts_verified(llm: LLM) -> None:
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
+def assert_overlap(recorder, async_scheduling: bool) -> None:
+    """Async still overlaps the steps that verify no drafts; sync never overlaps; a
+    step verifying drafts runs alone (how many it accepts decides the next step)."""
+    overlaps = recorder.num_overlapped_steps
+    assert overlaps > 0 if async_scheduling else overlaps == 0
+    assert recorder.drafted and recorder.num_steps_beside_drafts == 0
+
+
 @pytest.fixture(scope="module")
 def expected(prompts, hf_greedy):
     return [hf_greedy(p, NUM_TOKENS) for p in prompts]
@@ -56,30 +64,38 @@ def test_greedy_with_drafts_equals_transformers_generate(tiny_qwen3_path, prompt
     recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate(token_prompts(prompts), GREEDY)
     assert [r.token_ids for r in results] == expected
-    # Async still overlaps the steps that verify no drafts; sync never does.
-    overlaps = recorder.num_overlapped_steps
-    assert overlaps > 0 if engine_args.get("async_scheduling") else overlaps == 0
+    assert_overlap(recorder, engine_args.get("async_scheduling", False))
     assert_drafts_verified(llm)
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1  # no block leaked
 
 
-def test_prefix_hits_keep_the_output(tiny_qwen3_path, prompts, expected):
-    llm = make_llm(tiny_qwen3_path)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefix_hits_keep_the_output(tiny_qwen3_path, prompts, expected, overlap_recorder,
+                                     async_scheduling):
+    llm = make_llm(tiny_qwen3_path, async_scheduling=async_scheduling)
+    recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     first = llm.generate(token_prompts(prompts[-3:]), GREEDY)
     again = llm.generate(token_prompts(prompts[-3:]), GREEDY)
     assert all(r.num_cached_tokens > 0 for r in again)
     assert [r.token_ids for r in again] == [r.token_ids for r in first] == expected[-3:]
+    assert_overlap(recorder, async_scheduling)
     assert_drafts_verified(llm)
 
 
-def test_preempted_requests_with_drafts_recompute_and_match(tiny_qwen3_path, hf_greedy):
-    rng = np.random.default_rng(1)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_requests_with_drafts_recompute_and_match(tiny_qwen3_path, hf_greedy,
+                                                            overlap_recorder, async_scheduling):
+    # Seed 3: outputs that repeat enough for drafts to be accepted in both modes (async
+    # drops the drafts proposed while a step was in flight, so it verifies fewer).
+    rng = np.random.default_rng(3)
     prompts = [rng.integers(10, 1000, size=60).tolist() for _ in range(4)]
-    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20)
+    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, async_scheduling=async_scheduling)
+    recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate(token_prompts(prompts), GREEDY)
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
     assert [r.token_ids for r in results] == [hf_greedy(p, NUM_TOKENS) for p in prompts]
+    assert_overlap(recorder, async_scheduling)
     assert_drafts_verified(llm)
 
 
@@ -140,19 +156,31 @@ def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path,
     assert llm.engine.scheduler.make_stats().spec_decoding.num_accepted_tokens > 0
 
 
-def test_vl_greedy_with_drafts_equals_transformers_generate(tmp_path_factory, vl_chats):
+@pytest.fixture(scope="module")
+def tiny_vl_path(tmp_path_factory) -> str:
+    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl_spec"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_vl_greedy_with_drafts_equals_transformers_generate(tiny_vl_path, vl_chats,
+                                                            overlap_recorder, async_scheduling):
     from transformers import AutoModelForImageTextToText
 
     from tokenbudget.server.mm_processor import MultiModalProcessor
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl, hf_generate_vl_ids
+    from tokenbudget.worker.tiny_vl_models import hf_generate_vl_ids
 
-    path = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl_spec"))
+    path = tiny_vl_path
     processor = MultiModalProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     expected = [hf_generate_vl_ids(model, *processor.process_messages(chat), 24,
                                    ignore_eos=True) for chat in vl_chats]
-    llm = make_llm(path, max_num_batched_tokens=16, num_gpu_blocks=64)  # chunks cut images
+    llm = make_llm(path, max_num_batched_tokens=16, num_gpu_blocks=64,  # chunks cut images
+                   async_scheduling=async_scheduling)
+    recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate([{"messages": c} for c in vl_chats],
                            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert [r.token_ids for r in results] == expected
+    assert_overlap(recorder, async_scheduling)
     assert_drafts_verified(llm)
