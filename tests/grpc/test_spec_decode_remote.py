@@ -30,15 +30,17 @@ def remote_worker():
     gc.set_threshold(*thresholds)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_remote_worker_drafts_and_stats_reach_getstats_and_prometheus(
-        tiny_model, oracle, remote_worker, serving):
+        tiny_model, oracle, remote_worker, serving, overlap_recorder, async_scheduling):
     from tokenbudget.server.input_processor import InputProcessor
     from tokenbudget.server.metrics import EngineMetrics
     from tokenbudget.worker.remote_executor import RemoteExecutor
 
-    executor = RemoteExecutor([remote_worker], tiny_model, dtype="float32", device="cpu",
-                              attention_backend="sdpa")
-    core = EngineCore(SchedulerConfig(max_num_batched_tokens=64, speculative_config=SPEC),
+    executor = overlap_recorder(RemoteExecutor([remote_worker], tiny_model, dtype="float32",
+                                               device="cpu", attention_backend="sdpa"))
+    core = EngineCore(SchedulerConfig(max_num_batched_tokens=64, speculative_config=SPEC,
+                                      async_scheduling=async_scheduling),
                       CacheConfig(num_blocks=256), executor)
     metrics = EngineMetrics("tiny")
     engine = AsyncEngine(core, InputProcessor.from_pretrained(tiny_model), metrics,
@@ -50,6 +52,9 @@ def test_remote_worker_drafts_and_stats_reach_getstats_and_prometheus(
         stats = client.stats()
     metrics.close()
     assert got == want
+    # Async overlaps the steps that verify no drafts; a step verifying drafts runs alone.
+    assert (executor.num_overlapped_steps > 0) is async_scheduling
+    assert executor.drafted and executor.num_steps_beside_drafts == 0
     spec = core.scheduler.make_stats().spec_decoding
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # drafts came from the worker
     assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
