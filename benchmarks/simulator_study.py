@@ -35,25 +35,33 @@ def traces(n: int, rate: float, ttft_ms: float, tpot_ms: float):
     }
 
 
-def tenant_rows(model, hw) -> list[dict]:
-    """Tenant B chats (200-token prompts, 100 outputs, 2 req/s) while tenant A
-    floods 16k-token prompts at 4 req/s (more than a replica serves)."""
+def tenant_rows(model, hw, scheduler: dict) -> list[dict]:
+    """Two tenants on one replica. ``10x``: A sends ShareGPT-like traffic at
+    10x B's rate (40 vs 4 req/s, more than the replica serves). ``16k
+    flood``: B chats (200-token prompts, 100 outputs, 2 req/s) while A floods
+    16k-token prompts at 4 req/s, with an 8192-token budget."""
+    b10 = sharegpt_like(400, 4.0, seed=1, tenant="B")
+    a10 = sharegpt_like(4000, 40.0, seed=2, tenant="A")
     a = [TraceRequest(t, 16000, 4, tenant="A") for t in poisson_arrivals(40, 4.0, seed=2)]
     b = [TraceRequest(t, 200, 100, tenant="B")
          for t in poisson_arrivals(20, 2.0, seed=1, start=1.0)]
-    base = dict(max_num_batched_tokens=8192, max_num_seqs=64, max_model_len=32768)
-    fair = dict(base, fair_share=True, tenant_weights={"B": 7.0})
-    runs = {"B alone": (b, base), "A + B, fcfs": (merge(a, b), base),
-            "A + B, fair share (B weighs 7), no chunk cap":
+    big = dict(scheduler, max_num_batched_tokens=8192, max_model_len=32768)
+    fair = dict(big, fair_share=True, tenant_weights={"B": 7.0})
+    runs = {("10x", "B alone"): (b10, scheduler),
+            ("10x", "A + B, fcfs"): (merge(a10, b10), scheduler),
+            ("10x", "A + B, fair share"): (merge(a10, b10), dict(scheduler, fair_share=True)),
+            ("16k flood", "B alone"): (b, big),
+            ("16k flood", "A + B, fcfs"): (merge(a, b), big),
+            ("16k flood", "A + B, fair share (B weighs 7), no chunk cap"):
                 (merge(a, b), dict(fair, fair_share_chunk_cap=False)),
-            "A + B, fair share (B weighs 7), chunk cap": (merge(a, b), fair)}
+            ("16k flood", "A + B, fair share (B weighs 7), chunk cap"): (merge(a, b), fair)}
     rows = []
-    for name, (trace, scheduler) in runs.items():
+    for (scenario, name), (trace, sched) in runs.items():
         s = simulate(trace, model=model, hardware=hw, constants=GPU_DEFAULT_CONSTANTS,
-                     scheduler=scheduler, cache={"num_blocks": 40000}).summary
+                     scheduler=sched, cache={"num_blocks": 40000}).summary
         t = s.get("tenants", {})
         b_ = t.get("B", s)
-        row = dict(run=name, b_ttft_p99_ms=b_["ttft_ms"]["p99"],
+        row = dict(scenario=scenario, run=name, b_ttft_p99_ms=b_["ttft_ms"]["p99"],
                    b_tpot_p50_ms=b_["tpot_ms"]["p50"], b_tpot_p99_ms=b_["tpot_ms"]["p99"],
                    a_ttft_p50_ms=t["A"]["ttft_ms"]["p50"] if "A" in t else None,
                    finished=s["finished"], duration_s=s["duration_s"])
@@ -87,13 +95,13 @@ def main() -> None:
                            requests=len(trace), **{k: s[k] for k in (
                                "throughput_req_s", "goodput_req_s", "slo_attainment",
                                "refused", "preemptions", "prefix_hit_rate", "kv_usage_peak",
-                               "wall_s", "sim_requests_per_wall_s")},
+                               "wall_s")},
                            ttft_p50_ms=s["ttft_ms"]["p50"], ttft_p99_ms=s["ttft_ms"]["p99"],
                            tpot_p50_ms=s["tpot_ms"]["p50"], tpot_p99_ms=s["tpot_ms"]["p99"],
                            e2e_p99_s=s["e2e_s"]["p99"])
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    tenants = tenant_rows(model, hw)
+    tenants = tenant_rows(model, hw, scheduler)
     if args.markdown:
         recording = json.loads((ROOT / "tests/simulator/data/cpu_calibration_steps.json")
                                .read_text())
@@ -129,9 +137,8 @@ def write_markdown(path: Path, rows, tenants, fit, args) -> None:
         "from 80 GB x 0.9; replicas > 1 use the cache-aware router.",
         "",
         "| replicas | trace | policy | goodput req/s | SLO met | TTFT p50 / p99 ms | "
-        "TPOT p50 / p99 ms | E2E p99 s | refused | preempt | prefix hit | KV peak | "
-        "sim req/wall-s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "TPOT p50 / p99 ms | E2E p99 s | refused | preempt | prefix hit | KV peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -139,22 +146,24 @@ def write_markdown(path: Path, rows, tenants, fit, args) -> None:
             f"{r['slo_attainment']:.0%} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['e2e_p99_s']:.1f} | "
             f"{r['refused']} | {r['preemptions']} | {r['prefix_hit_rate']:.0%} | "
-            f"{r['kv_usage_peak']:.0%} | {r['sim_requests_per_wall_s']:.0f} |")
+            f"{r['kv_usage_peak']:.0%} |")
     lines += [
         "",
-        "Two tenants on one replica (8192-token budget): B chats (200-token prompts, 100 "
-        "outputs, 2 req/s); A floods 16k-token prompts at 4 req/s, more than the replica "
-        "serves. With the chunk cap, A's prompt tokens per step are held to its share "
-        "(1/8 of the budget, 1024) while B has work.",
+        "Two tenants on one replica, 40,000 KV blocks. `10x`: A sends the ShareGPT-like "
+        "traffic above at 40 req/s, 10x B's 4 req/s (same scheduler as above; equal "
+        "weights). `16k flood`: B chats (200-token prompts, 100 outputs, 2 req/s) while A "
+        "floods 16k-token prompts at 4 req/s, more than the replica serves, with an "
+        "8192-token budget; with the chunk cap A's prompt tokens per step are held to its "
+        "share (B weighs 7: 1/8 of the budget, 1024) while B has work.",
         "",
-        "| run | B TTFT p99 ms | B TPOT p50 / p99 ms | A TTFT p50 ms | finished | "
+        "| scenario | run | B TTFT p99 ms | B TPOT p50 / p99 ms | A TTFT p50 ms | finished | "
         "duration s |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in tenants:
         a_ttft = "-" if r["a_ttft_p50_ms"] is None else f"{r['a_ttft_p50_ms']:.0f}"
         lines.append(
-            f"| {r['run']} | {r['b_ttft_p99_ms']:.0f} | {r['b_tpot_p50_ms']:.1f} / "
+            f"| {r['scenario']} | {r['run']} | {r['b_ttft_p99_ms']:.0f} | {r['b_tpot_p50_ms']:.1f} / "
             f"{r['b_tpot_p99_ms']:.1f} | {a_ttft} | {r['finished']} | {r['duration_s']:.1f} |")
     path.write_text("\n".join(lines) + "\n")
 
