@@ -39,6 +39,8 @@ class PromptBuilder:
 
         self._np = np
         self.rng = np.random.default_rng(seed)
+        self._pool: list[int] = []
+        self._at = 0
         self.vocab = vocab_size
         self.eos = eos
         self.block_size = block_size
@@ -51,8 +53,15 @@ class PromptBuilder:
         self.hash_blocks: dict[str, list[int]] = {}
 
     def _random(self, n: int) -> list[int]:
-        # Every id below eos: prompts never contain EOS.
-        return self.rng.integers(0, self.eos, max(n, 0)).tolist()
+        # Every id below eos: prompts never contain EOS. Drawn in bulk: a
+        # numpy call per request cost ~30 us, 4% of simulating the request.
+        if n <= 0:
+            return []
+        if self._at + n > len(self._pool):
+            self._pool = self.rng.integers(0, self.eos, max(n, 1 << 16)).tolist()
+            self._at = 0
+        self._at += n
+        return self._pool[self._at - n:self._at]
 
     def _prefix(self, prefix_id: int, n: int) -> list[int]:
         p = self.prefixes.get(prefix_id)
