@@ -353,6 +353,11 @@ class AsyncEngine:
         with self._lock:
             self._stopping = True
             self._wakeup.notify()
+            reconnecting = self._error is not None and self._thread.is_alive()
+        if reconnecting:
+            # The engine thread may wait on a hung worker's Initialize: closing
+            # the executor's connections ends that wait.
+            self.core.executor.shutdown()
         self._thread.join(timeout=30)
         self._fail_all(EngineDeadError("the engine is shutting down"))
         self.core.shutdown()

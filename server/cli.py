@@ -661,6 +661,8 @@ def main(argv: list[str] | None = None) -> None:
             engine = build_engine(args, metrics)
         except ValueError as exc:  # a bad setting or a checkpoint that cannot be read
             _refuse(exc)
+        except ConnectionError as exc:  # a --worker that cannot be reached or refuses us
+            sys.exit(f"server: {exc}")
         # Start-up is done: freeze what it built and keep collections out of the steps.
         policy = configure_gc(args.gc_threshold)
         logger.info("gc: froze %d start-up objects; thresholds %s", policy.frozen,

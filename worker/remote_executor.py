@@ -67,6 +67,7 @@ class _Connection:
         self.pending: deque[_Step] = deque()
         self.decoder = convert.ModelRunnerOutputDecoder()
         self.reader: threading.Thread | None = None
+        self.ready = grpc.channel_ready_future(self.channel)
         # When the worker last answered, or was sent a step while idle: the
         # watchdog measures how long the oldest pending step has been its turn.
         self.waiting_since = 0.0
@@ -93,6 +94,9 @@ class RemoteExecutor:
                          ("grpc.max_receive_message_length", max_message_size)]
         self._metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
         self._conns: list[_Connection] = []
+        # Connections being initialised: shutdown closes them too, which ends
+        # an Initialize that a hung worker would leave unanswered.
+        self._connecting: list[_Connection] = []
         self._init = worker_pb2.InitializeRequest(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend)
         self._connect_timeout = connect_timeout
@@ -136,21 +140,29 @@ class RemoteExecutor:
 
     def _connect(self, connect_timeout: float) -> int:
         conns = [_Connection(a, i, self._options) for i, a in enumerate(self._addresses)]
+        with self._lock:
+            if self._closed.is_set():
+                raise WorkerUnavailableError("the executor is shut down")
+            self._connecting = conns
         num_blocks = []
         try:
             for conn in conns:
                 try:
-                    grpc.channel_ready_future(conn.channel).result(timeout=connect_timeout)
+                    conn.ready.result(timeout=connect_timeout)
                     # No deadline: loading a large model may take minutes.
                     num_blocks.append(conn.stub.Initialize(
                         self._init, metadata=self._metadata).num_blocks)
-                except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+                except (grpc.FutureTimeoutError, grpc.FutureCancelledError,
+                        grpc.RpcError) as exc:
                     raise WorkerUnavailableError(
                         f"worker {conn.address}: initialize failed ({_describe(exc)})") from None
         except WorkerUnavailableError:
             for conn in conns:
                 conn.channel.close()
             raise
+        finally:
+            with self._lock:
+                self._connecting = []
         with self._lock:
             self._conns = conns
             self._step_id = 0
@@ -196,6 +208,10 @@ class RemoteExecutor:
     def _close_connections(self, join: bool = False) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
+            connecting = self._connecting
+        for conn in connecting:
+            conn.ready.cancel()  # closing the channel does not end a wait for it
+            conn.channel.close()
         for conn in conns:
             conn.outbox.put(_STOP)
         for conn in conns:

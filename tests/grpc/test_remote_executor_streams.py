@@ -14,6 +14,7 @@ from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       SchedulerOutput)
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.worker.auth import WorkerSecretInterceptor
 from tokenbudget.worker.remote_executor import RemoteExecutor, WorkerUnavailableError
 
 REQS = ["a", "b"]
@@ -24,18 +25,28 @@ _WAIT = 10
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     """Samples token step_id * 10 + row for every request; fails step ``fail_at``."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, num_blocks: int = 7,
+                 hang_at: int | None = None) -> None:
+        """``hang_at``: leave that step unanswered until ``release`` is set."""
         self.fail_at = fail_at
+        self.num_blocks = num_blocks
+        self.hang_at = hang_at
+        self.release = threading.Event()
+        self.initialized = 0
         self.sent: dict[int, ModelRunnerOutput] = {}
         self.half_closed = threading.Event()  # the engine ended its stream itself
 
     def Initialize(self, request, context):
-        return worker_pb2.InitializeResponse(num_blocks=7)
+        self.initialized += 1
+        return worker_pb2.InitializeResponse(num_blocks=self.num_blocks)
 
     def ExecuteModel(self, request_iterator, context):
         decoder = convert.SchedulerOutputDecoder()
         for msg in request_iterator:
             ids = list(decoder.decode(msg).num_scheduled_tokens)
+            if msg.step_id == self.hang_at and self.initialized == 1:
+                self.release.wait()
+                return
             if msg.step_id == self.fail_at:
                 yield worker_pb2.ModelRunnerOutput(step_id=msg.step_id, error="scripted failure")
                 return
@@ -53,10 +64,13 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
 def make_worker():
     servers: list[grpc.Server] = []
 
-    def start(servicer: ScriptedWorker) -> tuple[grpc.Server, str]:
-        server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="scripted-worker"))
+    def start(servicer: ScriptedWorker, port: int = 0,
+              secret: str | None = None) -> tuple[grpc.Server, str]:
+        interceptors = [WorkerSecretInterceptor(secret)] if secret else []
+        server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="scripted-worker"),
+                             interceptors=interceptors)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
         server.start()
         servers.append(server)
         return server, f"127.0.0.1:{port}"
@@ -66,8 +80,8 @@ def make_worker():
         server.stop(0)
 
 
-def _connect(address: str) -> RemoteExecutor:
-    executor = RemoteExecutor([address], "scripted", connect_timeout=10)
+def _connect(address: str, **options) -> RemoteExecutor:
+    executor = RemoteExecutor([address], "scripted", connect_timeout=10, **options)
     assert executor.initialize(CacheConfig(block_size=4, num_blocks=8),
                                SchedulerConfig(max_model_len=32)) == 7
     return executor
@@ -170,3 +184,94 @@ def test_shutdown_with_unread_replies_neither_hangs_nor_reports_a_failure(make_w
     assert time.monotonic() - start < 4.0
     assert failures == []
     assert all(f.done() for f in pending)
+
+
+# -- the worker's secret, a hung worker, reconnecting ---------------------------------------
+def test_a_worker_with_a_secret_refuses_an_executor_without_it(make_worker):
+    _, address = make_worker(ScriptedWorker(), secret="s3cret")
+    with pytest.raises(WorkerUnavailableError, match="UNAUTHENTICATED.*--worker-secret-file"):
+        _connect(address)
+    with pytest.raises(WorkerUnavailableError, match="UNAUTHENTICATED"):
+        _connect(address, secret="wrong")
+    executor = _connect(address, secret="s3cret")
+    try:
+        assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == \
+            [[10], [11]]
+        assert executor.health()
+    finally:
+        executor.shutdown()
+
+
+def test_a_step_left_unanswered_past_step_timeout_fails_and_reinitialize_recovers(make_worker):
+    worker = ScriptedWorker(hang_at=2)
+    _, address = make_worker(worker)
+    executor = _connect(address, step_timeout=0.5)
+    failures: list[BaseException] = []
+    executor.add_failure_callback(failures.append)
+    try:
+        steps = _steps(3)
+        assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == \
+            [[10], [11]]
+        hung = executor.execute_model(steps[1])
+        sent_at = time.monotonic()
+        with pytest.raises(WorkerUnavailableError, match="did not answer a step within "
+                                                         "--worker-step-timeout=0.5 s"):
+            hung.result(timeout=_WAIT)
+        assert 0.5 <= time.monotonic() - sent_at < 2.0
+        assert len(failures) == 1
+        # The worker answers again: a new connection, Initialize, a new stream
+        # whose steps are numbered from 1 again.
+        worker.release.set()
+        assert executor.reinitialize() == 7 and worker.initialized == 2
+        assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == \
+            [[10], [11]]
+        time.sleep(1.0)  # the old stream ending late must not fail the new one
+        assert len(failures) == 1 and executor.health()
+    finally:
+        worker.release.set()
+        executor.shutdown()
+
+
+def test_reinitialize_finds_a_restarted_worker_and_reports_its_kv_size(make_worker):
+    server, address = make_worker(ScriptedWorker())
+    executor = _connect(address)
+    try:
+        server.stop(0)
+        with pytest.raises(WorkerUnavailableError):
+            executor.execute_model(_steps(1)[0]).result(timeout=_WAIT)
+        with pytest.raises(WorkerUnavailableError, match="initialize failed"):
+            executor.reinitialize(connect_timeout=0.5)  # nobody listens yet
+        make_worker(ScriptedWorker(num_blocks=5), port=int(address.rsplit(":", 1)[1]))
+        assert executor.reinitialize() == 5
+        assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == \
+            [[10], [11]]
+    finally:
+        executor.shutdown()
+
+
+def test_shutdown_ends_a_reinitialize_that_waits_on_a_silent_worker():
+    """A listening socket that never speaks gRPC (a stopped process looks so):
+    reinitialize waits; shutdown ends the wait at once."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        executor = RemoteExecutor([f"127.0.0.1:{silent.getsockname()[1]}"], "scripted")
+        outcome: list[BaseException] = []
+
+        def reconnect() -> None:
+            try:
+                executor.reinitialize(connect_timeout=30)
+            except WorkerUnavailableError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=reconnect)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive()
+        start = time.monotonic()
+        executor.shutdown()
+        thread.join(5)
+        assert not thread.is_alive() and time.monotonic() - start < 3.0
+        assert len(outcome) == 1
