@@ -217,7 +217,7 @@ def test_a_step_left_unanswered_past_step_timeout_fails_and_reinitialize_recover
         with pytest.raises(WorkerUnavailableError, match="did not answer a step within "
                                                          "--worker-step-timeout=0.5 s"):
             hung.result(timeout=_WAIT)
-        assert 0.5 <= time.monotonic() - sent_at < 2.0
+        assert 0.5 <= time.monotonic() - sent_at < 3.0
         assert len(failures) == 1
         # The worker answers again: a new connection, Initialize, a new stream
         # whose steps are numbered from 1 again.
@@ -236,7 +236,7 @@ def test_reinitialize_finds_a_restarted_worker_and_reports_its_kv_size(make_work
     server, address = make_worker(ScriptedWorker())
     executor = _connect(address)
     try:
-        server.stop(0)
+        server.stop(0).wait()  # the port is closed, not closing
         with pytest.raises(WorkerUnavailableError):
             executor.execute_model(_steps(1)[0]).result(timeout=_WAIT)
         with pytest.raises(WorkerUnavailableError, match="initialize failed"):
