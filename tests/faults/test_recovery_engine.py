@@ -28,7 +28,7 @@ class FlakyExecutor:
         self.blocks, self.blocks_after, self.refusals = blocks, blocks_after, refusals
         self.reinitialize_calls: list[float] = []
         self.callbacks = []
-        self.gone: ConnectionError | None = None
+        self.gone: Exception | None = None
         self._pool = ThreadPoolExecutor(1)
         self._prompt_len: dict[str, int] = {}
 
@@ -121,5 +121,28 @@ def test_engine_forgets_failed_requests_reconnects_with_backoff_and_serves_again
         s = engine.get_stats()
         assert (s.num_requests, s.num_running, s.num_waiting) == (0, 0, 0)
         core.scheduler.kv_cache_manager.block_pool.check_invariants()
+    finally:
+        engine.shutdown()
+
+
+def test_after_the_engine_dies_for_good_stats_show_no_request_and_every_block_free():
+    """A bug (not a lost worker) ends the engine: the requests fail and GetStats
+    no longer counts them as running."""
+    executor = FlakyExecutor(64, 64, refusals=0)
+    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+                      CacheConfig(block_size=16), executor)
+    engine = AsyncEngine(core)
+    try:
+        streams = [engine.add_request(_request(f"r{i}", 10_000)) for i in range(3)]
+        for stream in streams:
+            next(iter(stream))
+        executor.gone = RuntimeError("a bug in the worker")  # not a ConnectionError
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="a bug in the worker"):
+                list(stream)
+        s = engine.get_stats()
+        assert not s.healthy and executor.reinitialize_calls == []
+        assert (s.num_requests, s.num_running, s.num_waiting) == (0, 0, 0)
+        assert s.num_free_blocks == s.num_total_blocks == 63
     finally:
         engine.shutdown()
