@@ -91,7 +91,13 @@ class RemoteExecutor:
             raise ValueError(f"step_timeout must be >= 0, got {step_timeout}")
         self._addresses = list(addresses)
         self._options = [("grpc.max_send_message_length", max_message_size),
-                         ("grpc.max_receive_message_length", max_message_size)]
+                         ("grpc.max_receive_message_length", max_message_size),
+                         # While a worker restarts, retry the connection every
+                         # 0.25-2 s (gRPC's default backs off to 2 min), so
+                         # it is found within 2 s of listening.
+                         ("grpc.initial_reconnect_backoff_ms", 250),
+                         ("grpc.min_reconnect_backoff_ms", 250),
+                         ("grpc.max_reconnect_backoff_ms", 2000)]
         self._metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
         self._conns: list[_Connection] = []
         # Connections being initialised: shutdown closes them too, which ends
@@ -124,7 +130,7 @@ class RemoteExecutor:
                              name="tokenbudget-remote-watchdog").start()
         return num_blocks
 
-    def reinitialize(self, connect_timeout: float = 2.0) -> int:
+    def reinitialize(self, connect_timeout: float = 10.0) -> int:
         """After a failure: drop the old connections, reconnect to every worker
         (a worker has ``connect_timeout`` seconds to accept the connection, then
         as long as initialize allows to load the model), initialize it with the
