@@ -168,7 +168,7 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(faults):
 
 # -- the last test: it stops the server ------------------------------------------------------
 def test_sigterm_mid_stream_finishes_every_stream_then_exits_0(faults):
-    n, max_tokens = 8, 40
+    n, max_tokens = 8, 120  # long enough to be mid-stream at the signal
     results: list = []
     with faults.public_client() as c:
         calls = [c.stub.Generate(_request(f"drain {i}", max_tokens=max_tokens, temperature=0,
