@@ -1,9 +1,12 @@
 """A real `server` process (tiny Qwen3, in-process worker) against the in-process LLM."""
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 import urllib.request
+import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tokenbudget.core import SamplingParams
 from tokenbudget.proto import common_pb2, generate_pb2
-from tokenbudget.server.client import make_request
+from tokenbudget.server.client import Client, make_request
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -148,6 +151,54 @@ def test_abort_ends_the_stream_and_frees_its_blocks_and_unknown_ids_are_not_foun
     with pytest.raises(grpc.RpcError) as err:
         client.abort("to-abort")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "to-abort" in err.value.details()
+
+
+def test_another_client_cannot_abort_a_request_whose_id_it_does_not_know(cluster, client):
+    # The documented model (README, Security): no per-client ownership, but an
+    # id the server picks is a random uuid4 only the request's own stream sees.
+    params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+    call = client.stub.Generate(make_request("a long story", params))
+    rid = next(call).request_id
+    other_call = client.stub.Generate(make_request("another story", params))
+    other_rid = next(other_call).request_id
+    other_call.cancel()
+    assert uuid.UUID(hex=rid).version == 4 and len(rid) == 32 and rid != other_rid
+    guesses = ["0", "1", "request-0", rid[:-1] + ("0" if rid[-1] != "0" else "1"), other_rid]
+    with Client(cluster.local.address) as stranger:
+        for guess in guesses:
+            with pytest.raises(grpc.RpcError) as err:
+                stranger.abort(guess)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, guess
+        assert next(call).finish_reason == ""  # still generating
+        stranger.abort(rid)  # whoever knows the id can end it
+    assert list(call)[-1].finish_reason == "abort"
+    _wait_all_blocks_free(client)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a socket listening on ``port`` (Linux /proc:
+    each address is 32-bit words in host order, written in hex)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            hex_addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(hex_addr)
+            ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
+
+
+def test_grpc_metrics_and_worker_ports_listen_on_loopback_only_by_default(cluster):
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("no /proc/net/tcp to read listening sockets from")
+    for name, port in (("gRPC", cluster.local.port), ("metrics", cluster.metrics_port),
+                       ("worker", cluster.worker.port)):
+        assert _listening_addresses(port) == {"127.0.0.1"}, name
 
 
 def test_duplicate_live_request_id_is_already_exists(client):
