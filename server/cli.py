@@ -571,6 +571,14 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     # Blocking waits run off the loop, which keeps streaming the requests in flight.
     if not await loop.run_in_executor(None, engine.wait_idle, args.drain_timeout):
         logger.warning("drain timeout: aborting %d requests", engine.num_requests)
+    # What the drain left, for operators (and tests): all zeros unless it timed out.
+    try:
+        s = await loop.run_in_executor(None, engine.get_stats, 2.0)
+        logger.info("drained: %d requests running, %d waiting, %d of %d KV blocks in use",
+                    s.num_running, s.num_waiting, s.num_total_blocks - s.num_free_blocks,
+                    s.num_total_blocks)
+    except Exception as exc:  # an engine that died or hangs has no stats to give
+        logger.warning("drained; the engine gave no stats: %s", exc)
     await loop.run_in_executor(None, engine.shutdown)
     await server.stop(grace=2)
     if engine.trace_recorder is not None:

@@ -193,3 +193,5 @@ def test_sigterm_mid_stream_finishes_every_stream_then_exits_0(faults):
     assert faults.public.proc.wait(60) == 0
     log = "".join(faults.public.log)
     assert "Traceback" not in log and "leaked" not in log, log
+    # Nothing left behind once the streams ended (512 blocks less the null block).
+    assert "drained: 0 requests running, 0 waiting, 0 of 511 KV blocks in use" in log, log
