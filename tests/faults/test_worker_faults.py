@@ -20,7 +20,7 @@ from tokenbudget.core import CacheConfig, SchedulerConfig
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 from tokenbudget.server.client import Client
 
-from .conftest import (PROBE, PROBE_TOKENS, STEP_TIMEOUT, assert_idle, health, spawn,
+from .conftest import (BIN, PROBE, PROBE_TOKENS, STEP_TIMEOUT, assert_idle, health, spawn,
                        spawn_worker, wait_health, wait_idle)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -98,6 +98,19 @@ def test_worker_refuses_calls_without_the_secret_and_the_server_with_it_works(fa
     assert faults.worker.proc.poll() is None  # Shutdown did not stop it
     # Initialize did not replace the server's model and cache: it still serves them.
     _check_serving_like_a_fresh_server(faults)
+
+
+def test_a_server_without_the_workers_secret_exits_at_start_in_one_line(faults):
+    refused = spawn("server-without-secret", [str(BIN / "server"), "--model", faults.model,
+                                              "--port", "0", "--worker",
+                                              f"127.0.0.1:{faults.worker_port}"])
+    assert refused.proc.wait(60) == 1
+    errors = [x for x in refused.log if " INFO " not in x and x.strip()]
+    assert errors == [f"server: worker 127.0.0.1:{faults.worker_port}: initialize failed "
+                      "(UNAUTHENTICATED: this worker requires the shared secret of "
+                      "--worker-secret-file (metadata 'authorization: Bearer <secret>'))\n"], \
+        refused.log
+    assert faults.worker.proc.poll() is None
 
 
 def test_worker_on_a_public_address_needs_a_secret_or_an_explicit_opt_out():

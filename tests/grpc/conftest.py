@@ -67,12 +67,14 @@ def spawn(name: str, argv: list[str]) -> Proc:
 
 
 def spawn_server(name: str, model: str, *extra: str) -> Proc:
-    return spawn(name, [str(BIN / "server"), "--model", model, "--host", "127.0.0.1",
+    # No --host: the servers and workers run with the default bind address,
+    # which test_server.py checks is loopback only.
+    return spawn(name, [str(BIN / "server"), "--model", model,
                         "--port", "0", "--torch-threads", "1", "--grpc-threads", "256", *extra])
 
 
 def spawn_worker(name: str, port: int) -> Proc:
-    return spawn(name, [sys.executable, "-m", "tokenbudget.worker", "--host", "127.0.0.1",
+    return spawn(name, [sys.executable, "-m", "tokenbudget.worker",
                         "--port", str(port), "--threads", "1"])
 
 
