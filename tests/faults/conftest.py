@@ -36,9 +36,9 @@ def _grpc_conftest():
 
 
 _helpers = _grpc_conftest()
-Proc, spawn, spawn_server, free_port, wait_serving = (
+Proc, spawn, spawn_server, free_port, wait_serving, listening_addresses = (
     _helpers.Proc, _helpers.spawn, _helpers.spawn_server, _helpers.free_port,
-    _helpers.wait_serving)
+    _helpers.wait_serving, _helpers.listening_addresses)
 BIN, START_TIMEOUT = _helpers.BIN, _helpers.START_TIMEOUT
 
 # The remote server's hung-worker bound: far above a tiny model's step (ms),

@@ -20,8 +20,8 @@ from tokenbudget.core import CacheConfig, SchedulerConfig
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 from tokenbudget.server.client import Client
 
-from .conftest import (BIN, PROBE, PROBE_TOKENS, STEP_TIMEOUT, assert_idle, health, spawn,
-                       spawn_worker, wait_health, wait_idle)
+from .conftest import (BIN, PROBE, PROBE_TOKENS, STEP_TIMEOUT, assert_idle, health,
+                       listening_addresses, spawn, spawn_worker, wait_health, wait_idle)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -82,6 +82,11 @@ def _init_request(model: str) -> worker_pb2.InitializeRequest:
 
 
 # -- the control plane -------------------------------------------------------------------
+def test_the_worker_listens_on_loopback_only_by_default(faults):
+    # Before the tests below kill it: started without --host.
+    assert listening_addresses(faults.worker_port) == {"127.0.0.1"}
+
+
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),)],
                          ids=["no secret", "wrong secret"])
 def test_worker_refuses_calls_without_the_secret_and_the_server_with_it_works(faults,

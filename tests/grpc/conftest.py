@@ -5,6 +5,7 @@ every process the folder needs is launched at once, in parallel, and shared.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
@@ -76,6 +77,26 @@ def spawn_server(name: str, model: str, *extra: str) -> Proc:
 def spawn_worker(name: str, port: int) -> Proc:
     return spawn(name, [sys.executable, "-m", "tokenbudget.worker",
                         "--port", str(port), "--threads", "1"])
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses with a socket listening on ``port`` (Linux /proc:
+    each address is 32-bit words in host order, written in hex)."""
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("no /proc/net/tcp to read listening sockets from")
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            hex_addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(hex_addr)
+            ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
 
 
 def free_port() -> int:

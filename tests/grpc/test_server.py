@@ -1,12 +1,10 @@
 """A real `server` process (tiny Qwen3, in-process worker) against the in-process LLM."""
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tokenbudget.core import SamplingParams
 from tokenbudget.proto import common_pb2, generate_pb2
 from tokenbudget.server.client import Client, make_request
+
+from .conftest import listening_addresses
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -175,30 +175,11 @@ def test_another_client_cannot_abort_a_request_whose_id_it_does_not_know(cluster
     _wait_all_blocks_free(client)
 
 
-def _listening_addresses(port: int) -> set[str]:
-    """The local addresses with a socket listening on ``port`` (Linux /proc:
-    each address is 32-bit words in host order, written in hex)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not Path(table).exists():
-            continue
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            hex_addr, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
-                continue
-            raw = bytes.fromhex(hex_addr)
-            ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
-    return found
-
-
-def test_grpc_metrics_and_worker_ports_listen_on_loopback_only_by_default(cluster):
-    if not Path("/proc/net/tcp").exists():
-        pytest.skip("no /proc/net/tcp to read listening sockets from")
-    for name, port in (("gRPC", cluster.local.port), ("metrics", cluster.metrics_port),
-                       ("worker", cluster.worker.port)):
-        assert _listening_addresses(port) == {"127.0.0.1"}, name
+def test_grpc_and_metrics_ports_listen_on_loopback_only_by_default(cluster):
+    # The worker's port: tests/faults/test_worker_faults.py (this cluster's
+    # worker is killed by test_remote_worker.py).
+    for name, port in (("gRPC", cluster.local.port), ("metrics", cluster.metrics_port)):
+        assert listening_addresses(port) == {"127.0.0.1"}, name
 
 
 def test_duplicate_live_request_id_is_already_exists(client):
