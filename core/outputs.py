@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbudget.core.failures import RequestFailure
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import SamplingParams
@@ -70,6 +71,11 @@ class SchedulerOutput:
     # executors that opt in with ``defers_grammar_bitmask`` (core/engine.py).
     grammar_bitmask: Any = None
     structured_req_ids: list[str] = field(default_factory=list)
+    # Async scheduling: the requests that must sample a token this step
+    # (engine side only, not sent to workers), since later steps change the
+    # counts; a reply without their token is a broken reply. (Without async
+    # scheduling, num_computed_tokens >= num_tokens says it at update time.)
+    must_sample: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -102,6 +108,9 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     # req_id -> the prompt logprobs of this step's chunk, for requests that asked.
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    # req_id -> why it failed this step (its sampled list is empty); the
+    # scheduler finishes it with an error, the others proceed (core/failures.py).
+    failed: dict[str, RequestFailure] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.encoder_cache import EncoderCacheManager
+from tokenbudget.core.failures import (RequestFailure, WorkerReplyError, describe,
+                                       error_of)
 from tokenbudget.core.kv import KVCacheManager
 from tokenbudget.core.policy import (REORDERING_POLICIES, AdmissionReserve, WaitingOrder,
                                      make_victim_picker)
@@ -200,6 +202,19 @@ class Scheduler:
         outputs, self._side_outputs = self._side_outputs, []
         return outputs
 
+    def _fail_requests(self, failed: dict[str, RequestFailure]) -> None:
+        """Finish requests that failed in the engine, each with its error (an
+        output for its reader); the others are not touched."""
+        for rid, failure in failed.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # finished since it was scheduled
+            self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+            req.stop_reason = failure.message
+            self._side_outputs.append(RequestOutput(
+                rid, [], "error", None, max(req.num_cached_tokens, 0), failure.message,
+                error_of(failure)))
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -241,7 +256,7 @@ class Scheduler:
         elif self._reserve is not None:
             self._reserve.on_preemption(self.running)
         out = self._make_output(step)
-        self._update_after_schedule(step)
+        self._update_after_schedule(step, out)
         return out
 
     def _abort_failed_grammars(self) -> None:
@@ -355,7 +370,12 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             if req.status == RequestStatus.WAITING_FOR_FSM:
-                if not self.structured_output_manager.is_ready(req):
+                try:
+                    ready = self.structured_output_manager.is_ready(req)
+                except Exception as exc:  # its matcher cannot be built: it alone fails
+                    self._fail_requests({req.request_id: describe(exc)})
+                    continue
+                if not ready:
                     # Keep its place in the queue, let the others go.
                     skipped.append(waiting.pop())
                     continue
@@ -648,8 +668,9 @@ class Scheduler:
             mask.set_exception(exc)
             raise
 
-    def _update_after_schedule(self, step: _Step) -> None:
+    def _update_after_schedule(self, step: _Step, out: SchedulerOutput) -> None:
         requests = self.requests
+        must_sample = out.must_sample
         placeholders = self.scheduler_config.async_scheduling
         fair = self._fair
         if self._slo is not None:
@@ -670,13 +691,17 @@ class Scheduler:
             if placeholders and req.num_computed_tokens >= req.num_tokens:
                 # The worker will sample a token we have not seen yet.
                 req.num_output_placeholders += 1
+                must_sample.add(rid)
 
     # -- update ------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        if model_runner_output.failed:
+            self._fail_requests(model_runner_output.failed)
         outputs = self.take_side_outputs()
         requests = self.requests
         self.num_stale_drafts = 0
+        must_sample = scheduler_output.must_sample
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
@@ -692,7 +717,7 @@ class Scheduler:
             if req is None:
                 continue  # finished or aborted since it was scheduled
             i = index_of.get(rid)
-            new = sampled[i] if i is not None else None
+            new = sampled[i] if i is not None and i < len(sampled) else None
             if req.mm_features:
                 self._free_computed_encoder_inputs(req)
             if req.pooling_params is not None:
@@ -713,6 +738,11 @@ class Scheduler:
             if prompt_logprobs is not None and rid in prompt_logprobs:
                 plp = self._new_prompt_logprobs(req, prompt_logprobs[rid])
             if not new:
+                if rid in must_sample or req.num_computed_tokens >= \
+                        req.num_tokens + req.num_output_placeholders:
+                    raise WorkerReplyError(
+                        f"the worker's reply has no token for request {rid!r}, which had to "
+                        "sample this step; failing the step rather than leave it waiting")
                 if plp:  # mid-prefill
                     outputs.append(RequestOutput(rid, [], None, None, req.num_cached_tokens,
                                                  prompt_logprobs=plp))
@@ -727,9 +757,14 @@ class Scheduler:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - len(new))
             status, kept = check_stop(req, new, max_model_len)
             if som is not None and req.structured_request is not None:
-                if som.accept_tokens(req, kept) and status is None:
-                    status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = "grammar"
+                try:
+                    if som.accept_tokens(req, kept) and status is None:
+                        status = RequestStatus.FINISHED_STOPPED
+                        req.stop_reason = "grammar"
+                except Exception as exc:  # its matcher broke: it alone fails
+                    self._fail_requests({rid: describe(exc)})
+                    outputs += self.take_side_outputs()
+                    continue
             lp = None
             if logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i][:len(kept)]

@@ -17,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.failures import RequestFailure
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       PromptLogprobs, SchedulerOutput)
@@ -659,6 +660,9 @@ def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
         entry = msg.prompt_logprobs.add(req_id=rid, start=plp.start)
         for per_token in plp.entries:
             entry.entries.add(token_ids=per_token.keys(), logprobs=per_token.values())
+    for rid, failure in (out.failed or {}).items():
+        msg.failed[rid].message = failure.message
+        msg.failed[rid].invalid_argument = failure.invalid_argument
     return msg
 
 
@@ -701,4 +705,6 @@ class ModelRunnerOutputDecoder:
                 p.req_id: PromptLogprobs(p.start, [dict(zip(t.token_ids, t.logprobs))
                                                    for t in p.entries])
                 for p in msg.prompt_logprobs} or None,
+            failed={rid: RequestFailure(f.message, f.invalid_argument)
+                    for rid, f in msg.failed.items()} or None,
         )

@@ -209,7 +209,14 @@ class RequestLogprobs(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error", "prompt_logprobs")
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error", "prompt_logprobs", "failed")
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RequestFailure
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RequestFailure, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +228,7 @@ class ModelRunnerOutput(_message.Message):
     SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: RaggedIds
@@ -232,7 +240,16 @@ class ModelRunnerOutput(_message.Message):
     spec_token_ids: RaggedIds
     error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    failed: _containers.MessageMap[str, RequestFailure]
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failed: _Optional[_Mapping[str, RequestFailure]] = ...) -> None: ...
+
+class RequestFailure(_message.Message):
+    __slots__ = ("message", "invalid_argument")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_ARGUMENT_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    invalid_argument: bool
+    def __init__(self, message: _Optional[str] = ..., invalid_argument: _Optional[bool] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("req_id", "start", "entries")

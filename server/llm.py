@@ -30,6 +30,9 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     # Per generated token {token_id: logprob} (sampled + top-n), when asked for.
     logprobs: list[dict[int, float]] | None = None
+    # Why it failed inside the engine (finish_reason "error"); the other
+    # prompts of the call still complete.
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -288,6 +291,14 @@ class LLM:
                 if entry is None:
                     continue
                 result, output, state = entry
+                if out.finish_reason == "error" and not state.finished:
+                    # It alone failed in the engine: reported, the others go on.
+                    output.finish_reason, output.error = "error", str(out.error)
+                    state.finished = True
+                    pending -= 1
+                    if progress is not None:
+                        progress.update(1)
+                    continue
                 if out.error is not None:  # e.g. its grammar failed to compile
                     raise out.error
                 if out.prompt_logprobs:

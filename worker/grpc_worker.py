@@ -21,13 +21,13 @@ import queue
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
 import grpc
 
+from tokenbudget.core.failures import describe
 from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 from tokenbudget.worker.auth import WorkerSecretInterceptor
@@ -108,10 +108,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._busy += time.perf_counter() - start
                 self._num_steps += 1
             except Exception as exc:  # reported to the engine, which fails the step
+                # The traceback stays in this log: the message reaches clients.
                 logger.exception("step %d failed", step_id)
-                yield worker_pb2.ModelRunnerOutput(
-                    step_id=step_id, error=f"{type(exc).__name__}: {exc}\n"
-                    + "".join(traceback.format_exception(exc)[-3:]))
+                yield worker_pb2.ModelRunnerOutput(step_id=step_id,
+                                                   error=describe(exc).message)
                 return
             yield convert.model_runner_output_to_proto(out, step_id,
                                                        list(so.num_scheduled_tokens))

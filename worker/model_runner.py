@@ -20,10 +20,12 @@ import numpy as np
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.failures import RequestFailure, describe
 from tokenbudget.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           flash_block_size_warning, kv_cache_bytes_per_block,
                                           resolve_backend)
+from tokenbudget.worker.fault_isolation import StepPart, run_isolating
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.pooler import Pooler
@@ -38,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 # KV cache size on CPU when neither num_blocks nor kv_cache_memory_bytes is set.
 _DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class StepOrderError(RuntimeError):
+    """Steps reached the runner out of order: the engine's bug, not a request's."""
+
+
+# Never blamed on one request: the step fails (worker/fault_isolation.py).
+_FATAL = (MemoryError, torch.OutOfMemoryError, StepOrderError)
 
 
 @dataclass(slots=True)
@@ -118,6 +128,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler = Pooler(self.model)
         self.requests: dict[str, RequestState] = {}
+        # Requests that failed, until the scheduler's finished_req_ids drops
+        # them: a step scheduled before it heard of the failure skips them.
+        self.failed: dict[str, RequestFailure] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.batch: InputBatch | None = None
         self.block_size = 0
@@ -207,7 +220,9 @@ class ModelRunner:
     # -- state ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
+        failed = self.failed
         for rid in so.finished_req_ids:
+            failed.pop(rid, None)
             state = self.requests.pop(rid, None)
             if state is not None and state.row is not None:
                 batch.remove(state.row)
@@ -221,18 +236,27 @@ class ModelRunner:
         if self.vision is not None:
             self.vision.free(so.free_encoder_mm_hashes)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None if params.seed is None else make_generator(params.seed, self.device)
-            state = RequestState(new.req_id, len(new.prompt_token_ids), params, generator,
-                                 list(new.mm_features), eos_token_id=new.eos_token_id)
-            if self.vision is not None:
-                self.vision.init_positions(state, new.prompt_token_ids)
+            try:
+                params = new.sampling_params
+                generator = None if params.seed is None else \
+                    make_generator(params.seed, self.device)
+                state = RequestState(new.req_id, len(new.prompt_token_ids), params, generator,
+                                     list(new.mm_features), eos_token_id=new.eos_token_id)
+                if self.vision is not None:
+                    self.vision.init_positions(state, new.prompt_token_ids)
+            except _FATAL:
+                raise
+            except Exception as exc:  # its own inputs are bad: it alone fails
+                failed[new.req_id] = describe(exc)
+                continue
             state.row = batch.add(new.prompt_token_ids, new.block_ids)
             self.requests[new.req_id] = state
             if new.pooling_params is not None:
                 self.pooler.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))
         cached = so.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if rid in failed:
+                continue
             state = self.requests[rid]
             resumed = cached.resumed_token_ids.get(rid)
             if resumed is not None:
@@ -246,11 +270,40 @@ class ModelRunner:
     # -- step -------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
-        step = self._prepare(so)
+        req_ids = list(so.num_scheduled_tokens)
+        failed = self.failed
+        runnable = [r for r in req_ids if r not in failed] if failed else req_ids
+        parts, new_failures = run_isolating(lambda ids: self._compute(so, ids), runnable, _FATAL)
+        failed.update(new_failures)
+        out = self._commit(req_ids, parts, {r: failed[r] for r in req_ids if r in failed})
+        if self.proposer is not None:
+            t0 = time.perf_counter()
+            out.spec_token_ids = self._propose(req_ids, out.sampled_token_ids)
+            self.timings["propose"] += time.perf_counter() - t0
+        return out
+
+    def _compute(self, so: SchedulerOutput, req_ids: list[str]) -> StepPart:
+        """Forward and sample ``req_ids`` (some or all of the step's requests)
+        without committing their tokens: on an error it can run again."""
+        t0 = time.perf_counter()
+        seeded = [s for s in (self.requests[r] for r in req_ids) if s.generator is not None]
+        rng_states = [s.generator.get_state() for s in seeded]
+        pooling = self.pooler.snapshot(req_ids)
+        try:
+            return self._compute_timed(so, req_ids, t0)
+        except Exception:
+            # A retry must draw what this attempt would have drawn, and sum
+            # each pooled chunk once.
+            for state, rng in zip(seeded, rng_states):
+                state.generator.set_state(rng)
+            self.pooler.restore(pooling)
+            raise
+
+    def _compute_timed(self, so: SchedulerOutput, req_ids: list[str], t0: float) -> StepPart:
+        step = self._prepare(so, req_ids)
         pooling = self.pooler.mask(step.req_ids)
         if pooling is not None:
             step.samples &= ~pooling  # pooling requests sample nothing
@@ -270,25 +323,21 @@ class ModelRunner:
             logits = logits[:len(logits_idx)]
         sampled_rows, ids, lps, rewind = self._sample(so, step, logits)
         t3 = time.perf_counter()
-        out = self._make_output(so, step, sampled_rows, ids, lps, rewind, logits.shape[-1])
+        out = self._collect(so, step, sampled_rows, ids, lps, rewind, logits.shape[-1])
         out.prompt_logprobs = prompt_logprobs
         out.pooler_output = pooled
         t4 = time.perf_counter()
-        if self.proposer is not None:
-            out.spec_token_ids = self._propose(step)
-        t5 = time.perf_counter()
         self.timings["prep"] += t1 - t0
         self.timings["forward"] += t2 - t1
         self.timings["sample"] += t3 - t2
         self.timings["output"] += t4 - t3
-        self.timings["propose"] += t5 - t4
         return out
 
-    def _prepare(self, so: SchedulerOutput) -> _Step:
+    def _prepare(self, so: SchedulerOutput, req_ids: list[str]) -> _Step:
         batch = self.batch
-        req_ids = list(so.num_scheduled_tokens)
         rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
-        query_lens = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        num_scheduled = so.num_scheduled_tokens
+        query_lens = np.fromiter((num_scheduled[r] for r in req_ids), np.int64, len(req_ids))
         # New requests carry num_computed_tokens in NewRequestData, cached ones in the deltas.
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
@@ -307,8 +356,8 @@ class ModelRunner:
         known = batch.num_tokens[rows] + num_drafts
         if (ends > known).any():
             bad = req_ids[int(np.argmax(ends > known))]
-            raise RuntimeError(f"request {bad}: scheduled past the tokens the worker knows; "
-                               "steps must execute in the order they were scheduled")
+            raise StepOrderError(f"request {bad}: scheduled past the tokens the worker "
+                                 "knows; steps must execute in the order they were scheduled")
         offsets = np.repeat(starts - (np.cumsum(query_lens) - query_lens), query_lens)
         positions = np.arange(int(query_lens.sum())) + offsets
         input_ids = batch.token_ids[np.repeat(rows, query_lens), positions]
@@ -421,10 +470,10 @@ class ModelRunner:
         first_row = {}
         for j, i in enumerate(row_req):
             first_row.setdefault(step.req_ids[i], j)
-        index_of = {rid: i for i, rid in enumerate(step.req_ids)}
         src, dst, k = [], [], 0
         for rid in so.structured_req_ids:
-            n = int(step.num_drafts[index_of[rid]]) + 1 if rid in index_of else 1
+            # Rows per request: 1 + its drafts, whether or not this run computes it.
+            n = len(so.scheduled_spec_decode_tokens.get(rid, ())) + 1
             if rid in first_row:
                 src.extend(range(k, k + n))
                 dst.extend(range(first_row[rid], first_row[rid] + n))
@@ -442,9 +491,8 @@ class ModelRunner:
         apply_token_bitmask(rows, torch.from_numpy(bitmask))
         logits.index_copy_(0, dst_t, rows)
 
-    def _make_output(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray, ids: list[int],
-                     lps, rewind: SeedRewind, vocab: int) -> ModelRunnerOutput:
-        batch = self.batch
+    def _collect(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray, ids: list[int],
+                 lps, rewind: SeedRewind, vocab: int) -> StepPart:
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list | None = None
         if lps is not None:
@@ -462,21 +510,55 @@ class ModelRunner:
             if rewind:
                 rewind.rewind(i, n, kept, (vocab,), self.device)
             sampled[i] = tokens
-            batch.append_tokens(int(step.rows[i]), tokens)
             state = self.requests[step.req_ids[i]]
             if lps is not None and state.sampling_params.logprobs is not None:
                 width = state.sampling_params.logprobs + 1
                 logprobs[i] = [dict(zip(lps[0][j + t][:width], lps[1][j + t][:width]))
                                for t in range(kept)]
             j += n
-        return ModelRunnerOutput(step.req_ids, {r: i for i, r in enumerate(step.req_ids)},
-                                 sampled, logprobs)
+        return StepPart(step.req_ids, sampled, logprobs, None)
 
-    def _propose(self, step: _Step) -> list[list[int]]:
-        """Drafts for the next step of each request that sampled this step."""
-        samplers = np.flatnonzero(step.samples)
-        drafts: list[list[int]] = [[] for _ in step.req_ids]
-        rows = step.rows[samplers]
+    def _commit(self, req_ids: list[str], parts: list[StepPart],
+                failed: dict[str, RequestFailure]) -> ModelRunnerOutput:
+        """Append the sampled tokens to the batch and answer in scheduled order."""
+        batch, requests = self.batch, self.requests
+        for part in parts:
+            for rid, tokens in zip(part.req_ids, part.sampled):
+                if tokens:
+                    batch.append_tokens(requests[rid].row, tokens)
+        index = {r: i for i, r in enumerate(req_ids)}
+        if len(parts) == 1 and not failed:  # the usual case: one run did the whole step
+            part = parts[0]
+            return ModelRunnerOutput(req_ids, index, part.sampled, part.logprobs,
+                                     pooler_output=part.pooler_output,
+                                     prompt_logprobs=part.prompt_logprobs)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list | None = None
+        pooled: list | None = None
+        prompt_logprobs: dict | None = None
+        for part in parts:
+            for k, rid in enumerate(part.req_ids):
+                sampled[index[rid]] = part.sampled[k]
+                if part.logprobs is not None and part.logprobs[k] is not None:
+                    if logprobs is None:
+                        logprobs = [None] * len(req_ids)
+                    logprobs[index[rid]] = part.logprobs[k]
+                if part.pooler_output is not None and part.pooler_output[k] is not None:
+                    if pooled is None:
+                        pooled = [None] * len(req_ids)
+                    pooled[index[rid]] = part.pooler_output[k]
+            if part.prompt_logprobs:
+                prompt_logprobs = {**(prompt_logprobs or {}), **part.prompt_logprobs}
+        return ModelRunnerOutput(req_ids, index, sampled, logprobs, pooler_output=pooled,
+                                 prompt_logprobs=prompt_logprobs, failed=failed or None)
+
+    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
+        """Drafts for the next step of each request that sampled this step
+        (after its tokens were appended; a failed request sampled nothing)."""
+        samplers = np.flatnonzero(np.fromiter(map(bool, sampled), bool, len(sampled)))
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        rows = np.fromiter((self.requests[req_ids[i]].row for i in samplers), np.int64,
+                           len(samplers))
         batch = self.batch
         proposals = self.proposer.propose(batch.token_ids, rows,
                                           np.minimum(batch.num_tokens[rows], batch.max_model_len))
@@ -505,8 +587,11 @@ class _VisionInputs:
 
     def forward(self, so: SchedulerOutput, step: _Step, requests: dict[str, RequestState],
                 input_ids: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
-        wanted = [requests[rid].mm_features[i]
-                  for rid, idx in so.scheduled_encoder_inputs.items() for i in idx]
+        # Only the images this run's requests show (a re-run over some of the
+        # step's requests must not fail on another request's bad image).
+        shown = {f.mm_hash for rid in step.req_ids for f in requests[rid].mm_features}
+        wanted = [f for rid, idx in so.scheduled_encoder_inputs.items()
+                  for f in (requests[rid].mm_features[i] for i in idx) if f.mm_hash in shown]
         if wanted:
             self.cache.update(self.encoder.encode(wanted))
         states = [requests[rid] for rid in step.req_ids]

@@ -56,6 +56,19 @@ class Pooler:
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 
+    def snapshot(self, req_ids: list[str]) -> list[tuple[_PoolingState, tuple]]:
+        """What ``pool`` may change for ``req_ids``, to ``restore`` when the
+        step is run again (worker/fault_isolation.py); sums are replaced,
+        never updated in place, so references suffice."""
+        if not self.states:
+            return []
+        return [(s, (s.total, s.first)) for s in map(self.states.get, req_ids) if s is not None]
+
+    @staticmethod
+    def restore(snapshot: list[tuple[_PoolingState, tuple]]) -> None:
+        for state, (total, first) in snapshot:
+            state.total, state.first = total, first
+
     def mask(self, req_ids: list[str]) -> np.ndarray | None:
         """[B] bool: which of the step's requests pool (None when none does)."""
         if not self.states:
