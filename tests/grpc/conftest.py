@@ -217,3 +217,26 @@ def vl_server(tiny_vl_model) -> Proc:
         raise
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty_remote(tiny_model) -> Proc:
+    """A server driving a real worker process that fails any step sampling a
+    request seeded 2989 (tests/grpc/faulty_worker.py)."""
+    port = free_port()
+    worker = spawn("faulty-worker", [sys.executable, str(Path(__file__).with_name(
+        "faulty_worker.py")), "--host", "127.0.0.1", "--port", str(port), "--threads", "1"])
+    server = spawn_server("faulty-remote-server", tiny_model, "--worker", f"127.0.0.1:{port}",
+                          "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+                          "--num-gpu-blocks", "128")
+    try:
+        for p in (worker, server):
+            p.wait_listening()
+        wait_serving(server.address)
+    except Exception:
+        server.stop()
+        worker.stop()
+        raise
+    yield server
+    server.stop()
+    worker.stop()
