@@ -35,6 +35,7 @@ from tokenbudget.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+
 class Executor(Protocol):
     def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
         """Load the model and allocate the KV cache; return the number of blocks."""
@@ -46,10 +47,20 @@ class Executor(Protocol):
 
 class EngineCore:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 executor: Executor, structured_output_manager=None) -> None:
+                 executor: Executor, structured_output_manager=None, *,
+                 max_model_len_given: bool = False) -> None:
+        """``max_model_len_given``: the user set max_model_len, so a KV cache
+        that cannot hold one such request is an error; otherwise max_model_len
+        is lowered to what the cache holds, with a warning."""
+        sized_by = _kv_size_setting(cache_config)
         num_blocks = executor.initialize(cache_config, scheduler_config)
         if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
             cache_config.num_blocks = num_blocks
+        try:
+            fit_max_model_len(scheduler_config, cache_config, sized_by, max_model_len_given)
+        except ValueError:
+            executor.shutdown()
+            raise
         self.executor = executor
         self.async_scheduling = scheduler_config.async_scheduling
         self._defer_masks = self.async_scheduling and \
@@ -192,3 +203,36 @@ class EngineCore:
         if self.scheduler.structured_output_manager is not None:
             self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def _kv_size_setting(cache_config: CacheConfig) -> str:
+    """The setting that sizes the KV cache, as the user gave it."""
+    if cache_config.num_blocks is not None:
+        return f"num_gpu_blocks={cache_config.num_blocks} (--num-gpu-blocks)"
+    if cache_config.kv_cache_memory_bytes is not None:
+        return f"kv_cache_memory={cache_config.kv_cache_memory_bytes} (--kv-cache-memory)"
+    return (f"gpu_memory_utilization={cache_config.gpu_memory_utilization:g} "
+            "(--gpu-memory-utilization; on CPU the default cache size)")
+
+
+def fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                      sized_by: str, given: bool) -> None:
+    """A request may grow to max_model_len tokens (plus its draft lookahead),
+    and must then still fit in the whole cache alone, or it could never
+    finish (vLLM refuses such a cache at start-up too). Refuse when
+    max_model_len was ``given``; else lower it to what the cache holds."""
+    capacity = (cache_config.num_blocks - 1) * cache_config.block_size
+    lookahead = scheduler_config.num_speculative_tokens
+    need = scheduler_config.max_model_len + lookahead
+    if need <= capacity:
+        return
+    spec = f" + num_speculative_tokens={lookahead}" if lookahead else ""
+    what = (f"{sized_by} gives {capacity} tokens of KV cache "
+            f"({cache_config.num_blocks - 1} blocks of {cache_config.block_size}), less than "
+            f"max_model_len={scheduler_config.max_model_len}{spec} needs ({need})")
+    if given or capacity - lookahead < 1:
+        raise ValueError(f"{what}; raise the KV cache (--num-gpu-blocks / --kv-cache-memory / "
+                         "--gpu-memory-utilization) or lower max_model_len (--max-model-len)")
+    scheduler_config.max_model_len = capacity - lookahead
+    logger.warning("%s: max_model_len lowered to %d (set --max-model-len to choose, or give "
+                   "the KV cache more room)", what, scheduler_config.max_model_len)

@@ -80,7 +80,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size,
-            cache_config.enable_prefix_caching, cache_config.hash_algo)
+            cache_config.enable_prefix_caching, cache_config.hash_algo, cache_config.hash_seed)
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.structured_output_manager = structured_output_manager
         # Schedule with a pending grammar_bitmask (a Future) that the engine
@@ -108,6 +108,8 @@ class Scheduler:
         # the next update_from_output.
         self._side_outputs: list[RequestOutput] = []
         self.clock = time.monotonic
+        # Tokens the whole KV cache holds: a request needing more can never run.
+        self._pool_tokens = (cache_config.num_blocks - 1) * cache_config.block_size
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -117,8 +119,7 @@ class Scheduler:
         if request.num_tokens > cfg.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens, more than "
                              f"max_model_len={cfg.max_model_len}")
-        pool_tokens = (self.kv_cache_manager.block_pool.num_blocks - 1) * \
-            self.kv_cache_manager.block_size
+        pool_tokens = self._pool_tokens
         if request.num_tokens + cfg.num_speculative_tokens > pool_tokens:
             # It could never be admitted and would block the queue behind it.
             raise ValueError(f"prompt has {request.num_tokens} tokens but the KV cache holds "
@@ -214,6 +215,13 @@ class Scheduler:
             self._side_outputs.append(RequestOutput(
                 rid, [], "error", None, max(req.num_cached_tokens, 0), failure.message,
                 error_of(failure)))
+
+    def _fail_outgrown(self, req: Request) -> None:
+        need = req.num_tokens + self.scheduler_config.num_speculative_tokens
+        self._fail_requests({req.request_id: RequestFailure(
+            f"request {req.request_id!r} needs {need} tokens of KV cache to go on, and the "
+            f"whole KV cache holds {self._pool_tokens} tokens; lower max_tokens (or "
+            "max_model_len), or give the cache more blocks", invalid_argument=True)})
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -380,6 +388,9 @@ class Scheduler:
                     skipped.append(waiting.pop())
                     continue
                 req.status = RequestStatus.WAITING
+            if req.num_tokens + cfg.num_speculative_tokens > self._pool_tokens:
+                self._fail_outgrown(req)  # else it would block the queue for ever
+                continue
             hits, num_cached = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
             if 0 < threshold < num_new:
@@ -442,8 +453,8 @@ class Scheduler:
         expected growth, and this request's own, still fit after its blocks
         are taken."""
         reserve = self._reserve
-        if reserve is None:
-            return True
+        if reserve is None or not self.running:
+            return True  # an idle engine admits whatever fits now, or nothing would run
         kv = self.kv_cache_manager
         own = reserve.future_tokens(req) / kv.block_size
         need = -(-(num_cached + num_new) // kv.block_size) - len(hits)
@@ -814,8 +825,11 @@ class Scheduler:
         return entries
 
     def _fit_drafts(self, req: Request, draft: list[int]) -> list[int]:
-        room = min(self.scheduler_config.max_model_len - req.num_tokens,
-                   req.max_tokens - req.num_output_tokens) - 1
+        cfg = self.scheduler_config
+        # Drafts past what the whole cache holds would only preempt the request.
+        room = min(cfg.max_model_len, self._pool_tokens - cfg.num_speculative_tokens) \
+            - req.num_tokens
+        room = min(room, req.max_tokens - req.num_output_tokens) - 1
         draft = draft[:max(room, 0)]
         if draft and req.structured_request is not None:
             draft = self.structured_output_manager.validate_drafts(req, draft)

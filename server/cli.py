@@ -327,7 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     g.add_argument("--hash-algo", choices=["sha256", "xxhash"], default="sha256",
                    help="prefix-cache block hash: sha256 (default, collision resistant) or "
-                   "xxhash (faster; pip install 'tokenbudget[fast-hash]')")
+                   "xxhash (faster, not collision resistant, so seeded: see --hash-seed; "
+                   "pip install 'tokenbudget[fast-hash]')")
+    g.add_argument("--hash-seed", type=int, default=None,
+                   help="seed of the xxhash block hash (default: random per process, so "
+                   "clients cannot precompute colliding prompts; set it for hashes that agree "
+                   "across processes and restarts); sha256 ignores it")
     return p
 
 
@@ -429,7 +434,8 @@ def build_engine(args: argparse.Namespace, metrics=None):
     executor = _make_executor(args, model, engine_args.async_scheduling)
     core = EngineCore(scheduler_config, cache_config, executor,
                       engine_args.structured_output_manager(input_processor.tokenizer,
-                                                            text_config.vocab_size))
+                                                            text_config.vocab_size),
+                      max_model_len_given=engine_args.max_model_len is not None)
     logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
                 cache_config.block_size, "on" if engine_args.async_scheduling else "off")
     return AsyncEngine(core, input_processor, metrics, model_name=model,

@@ -146,7 +146,8 @@ class LLM:
         self.structured_output = args.structured_output_manager(self.input_processor.tokenizer,
                                                                 vocab_size)
         self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor,
-                                 self.structured_output)
+                                 self.structured_output,
+                                 max_model_len_given=args.max_model_len is not None)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -1,0 +1,34 @@
+"""Settings that cannot work are refused at start-up: one line on stderr,
+exit status 2, no traceback (issue 10, defects 1 and 4)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tokenbudget.server import cli
+
+
+def test_server_refuses_a_kv_cache_that_cannot_hold_max_model_len(tiny_model):
+    # build_engine's ValueError is main's one-line exit 2 (tests/grpc/test_load_errors.py).
+    args = cli.build_parser().parse_args([
+        "--model", tiny_model, "--num-gpu-blocks", "4", "--max-model-len", "2048",
+        "--device", "cpu", "--port", "0"])
+    with pytest.raises(ValueError) as err:
+        cli.build_engine(args)
+    assert str(err.value) == (
+        "num_gpu_blocks=4 (--num-gpu-blocks) gives 48 tokens of KV cache (3 blocks of 16), "
+        "less than max_model_len=2048 needs (2048); raise the KV cache (--num-gpu-blocks / "
+        "--kv-cache-memory / --gpu-memory-utilization) or lower max_model_len "
+        "(--max-model-len)")
+
+
+def test_server_refuses_xxhash_without_the_package_before_loading(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", "/no/such/model", "--hash-algo", "xxhash"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("server: hash_algo='xxhash' needs the xxhash package, which is not "
+                   "installed: pip install 'tokenbudget[fast-hash]', or use "
+                   "hash_algo='sha256'\n")
