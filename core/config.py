@@ -139,6 +139,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # "sha256" (default, collision resistant) or "xxhash" (faster, opt-in).
     hash_algo: str = "sha256"
+    # Seeds xxhash (sha256 takes no seed): None draws one per process at random,
+    # so nobody can precompute colliding prompts; set it for hashes that
+    # agree across processes and restarts.
+    hash_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -150,3 +154,5 @@ class CacheConfig:
                              f"{self.gpu_memory_utilization}")
         if self.hash_algo not in ("sha256", "xxhash"):
             raise ValueError(f"hash_algo must be 'sha256' or 'xxhash', got {self.hash_algo!r}")
+        if self.hash_seed is not None and not 0 <= self.hash_seed < 1 << 64:
+            raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")

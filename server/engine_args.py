@@ -109,6 +109,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # Prefix-cache block hashes: "sha256" or "xxhash" (faster; the fast-hash extra).
     hash_algo: str = "sha256"
+    # xxhash's seed (None: random per process); see CacheConfig.hash_seed.
+    hash_seed: int | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -176,6 +178,13 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
         PoolerConfig.overrides(self.pooler_config)
+        if self.hash_algo == "xxhash":
+            try:
+                import xxhash  # noqa: F401
+            except ImportError:
+                raise ValueError("hash_algo='xxhash' needs the xxhash package, which is not "
+                                 "installed: pip install 'tokenbudget[fast-hash]', or use "
+                                 "hash_algo='sha256'") from None
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -244,7 +253,8 @@ class EngineArgs:
             block_size=self.block_size, num_blocks=self.num_gpu_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=parse_memory_size(self.kv_cache_memory),
-            gpu_memory_utilization=self.gpu_memory_utilization, hash_algo=self.hash_algo)
+            gpu_memory_utilization=self.gpu_memory_utilization, hash_algo=self.hash_algo,
+            hash_seed=self.hash_seed)
 
     def read_chat_template(self) -> str | None:
         return read_chat_template(self.chat_template)

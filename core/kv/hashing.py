@@ -9,11 +9,14 @@ only, so salting isolates a whole chain).
 The hash must be stable across processes and machines (workers and a future
 distributed cache compare them), so the salted builtin ``hash`` is out; and
 by default collision resistant: a crafted collision would let one client read
-another client's cached KV. xxhash is offered as an opt-in for speed.
+another client's cached KV. xxhash is offered as an opt-in for speed; it is
+not collision resistant, so it is seeded (``hash_seed``, else a random seed
+drawn once per process) and colliding prompts cannot be computed in advance.
 """
 from __future__ import annotations
 
 import hashlib
+import secrets
 from array import array
 from typing import TYPE_CHECKING, Callable
 
@@ -21,7 +24,11 @@ if TYPE_CHECKING:
     from tokenbudget.core.request import Request
 
 
-def _hash_fn(algo: str) -> Callable[[bytes], bytes]:
+# xxhash's seed when none is configured: one per process, unknown to clients.
+_PROCESS_SEED = secrets.randbits(64)
+
+
+def _hash_fn(algo: str, seed: int | None = None) -> Callable[[bytes], bytes]:
     if algo == "sha256":
         sha256 = hashlib.sha256
         return lambda data: sha256(data).digest()
@@ -31,7 +38,9 @@ def _hash_fn(algo: str) -> Callable[[bytes], bytes]:
         except ImportError as e:  # pragma: no cover - depends on the extra
             raise ValueError("hash_algo='xxhash' needs the xxhash package "
                              "(pip install 'tokenbudget[fast-hash]')") from e
-        return lambda data: xxhash.xxh3_128_digest(data)
+        xxh3 = xxhash.xxh3_128_digest
+        seed = _PROCESS_SEED if seed is None else seed
+        return lambda data: xxh3(data, seed)
     raise ValueError(f"unknown hash_algo {algo!r}")
 
 
@@ -40,9 +49,10 @@ class BlockHasher:
 
     __slots__ = ("block_size", "_hash")
 
-    def __init__(self, block_size: int, algo: str = "sha256") -> None:
+    def __init__(self, block_size: int, algo: str = "sha256", seed: int | None = None) -> None:
+        """``seed``: xxhash's (None: this process's random seed); sha256 has none."""
         self.block_size = block_size
-        self._hash = _hash_fn(algo)
+        self._hash = _hash_fn(algo, seed)
 
     def update(self, request: Request) -> list[bytes]:
         hashes = request.block_hashes

@@ -13,11 +13,11 @@ if TYPE_CHECKING:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
-                 hash_algo: str = "sha256") -> None:
+                 hash_algo: str = "sha256", hash_seed: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.hasher = BlockHasher(block_size, hash_algo)
+        self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
