@@ -89,3 +89,34 @@ def test_a_failure_every_request_shares_is_a_step_error(tiny_qwen3_path, monkeyp
                          SamplingParams(max_tokens=4))
     finally:
         llm.shutdown()
+
+
+def test_a_request_whose_inputs_cannot_be_prepared_fails_alone(tiny_qwen3_path, monkeypatch):
+    from tokenbudget.core.failures import InvalidRequestError
+    from tokenbudget.worker import model_runner
+
+    llm = LLM(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa",
+              num_gpu_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    try:
+        want = [_tokens(o) for o in _run(engine, PROMPTS, GOOD).values()]
+        make_generator = model_runner.make_generator
+
+        def refuse_13(seed, device):
+            if seed == 13:
+                raise ValueError("seed 13 is not accepted by this device")
+            return make_generator(seed, device)
+
+        monkeypatch.setattr(model_runner, "make_generator", refuse_13)
+        bad = SamplingParams(max_tokens=8, seed=13)
+        got = list(_run(engine, [[9, 9, 9]] + PROMPTS, [bad] + GOOD).values())
+        assert [_tokens(o) for o in got[1:]] == want
+        (failure,) = got[0]
+        assert failure.finish_reason == "error"
+        assert isinstance(failure.error, InvalidRequestError)  # gRPC INVALID_ARGUMENT
+        assert str(failure.error) == ("the request failed: ValueError: seed 13 is not "
+                                      "accepted by this device")
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    finally:
+        llm.shutdown()
