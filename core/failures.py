@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# Absolute paths of source files in a message ("/x/y/z.py", "C:\\x\\y.py"):
-# clients must not learn the server's file layout.
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-]+)+\.py\b")
+# Paths of source files in a message, with a line number if any ("/x/y/z.py",
+# "/project/cpp/matcher.cc:489", "C:\\x\\y.py"): clients must not learn the
+# server's file layout.
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-]+)+\.[A-Za-z]\w*(?::\d+)?")
 
 
 @dataclass(slots=True)

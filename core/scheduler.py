@@ -709,6 +709,9 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         if model_runner_output.failed:
             self._fail_requests(model_runner_output.failed)
+        som = self.structured_output_manager
+        if som is not None and som.fill_failures:
+            self._fail_requests(som.take_fill_failures())
         outputs = self.take_side_outputs()
         requests = self.requests
         self.num_stale_drafts = 0
@@ -720,7 +723,6 @@ class Scheduler:
         drafts = model_runner_output.spec_token_ids
         pooled = model_runner_output.pooler_output
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        som = self.structured_output_manager
         max_model_len = self.scheduler_config.max_model_len
         finished_running = False
         for rid in scheduler_output.num_scheduled_tokens:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tokenbudget.core.failures import RequestFailure, describe
 from tokenbudget.core.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
@@ -239,6 +240,9 @@ class StructuredOutputManager:
         # Waiting for their grammar / with a matcher, by request id.
         self._pending: dict[str, Request] = {}
         self._active: dict[str, Request] = {}
+        # Requests whose matcher failed to fill their bitmask rows (those rows
+        # allow everything); the scheduler fails them (take_fill_failures).
+        self.fill_failures: dict[str, RequestFailure] = {}
         self.clock = time.monotonic
 
     @property
@@ -436,11 +440,34 @@ class StructuredOutputManager:
         for lo, hi in free:
             bitmask[lo:hi] = -1
         for matcher, drafts, first_row in drafted:
-            _fill_with_drafts(matcher, drafts, bitmask, first_row)
+            try:
+                _fill_with_drafts(matcher, drafts, bitmask, first_row)
+            except Exception as exc:  # this request's matcher broke: it alone fails
+                self._fill_failed(matcher, exc, bitmask, first_row, first_row + len(drafts) + 1)
         if matchers:
-            self._batch_matcher().batch_fill_next_token_bitmask(
-                matchers, bitmask, rows if len(rows) < k else None)
+            try:
+                self._batch_matcher().batch_fill_next_token_bitmask(
+                    matchers, bitmask, rows if len(rows) < k else None)
+            except Exception:
+                # Find the matchers that fail and fill the others one by one.
+                for matcher, row in zip(matchers, rows):
+                    try:
+                        matcher.fill_next_token_bitmask(bitmask, row)
+                    except Exception as exc:
+                        self._fill_failed(matcher, exc, bitmask, row, row + 1)
         return bitmask
+
+    def _fill_failed(self, matcher, exc: Exception, bitmask: np.ndarray, lo: int,
+                     hi: int) -> None:
+        bitmask[lo:hi] = -1  # its sample is discarded; an all-zero row could break sampling
+        rid = next(r for r, req in self._active.items()
+                   if req.structured_request.matcher is matcher)
+        logger.error("request %s: its grammar matcher failed: %s", rid, exc)
+        self.fill_failures[rid] = describe(exc)
+
+    def take_fill_failures(self) -> dict[str, RequestFailure]:
+        failures, self.fill_failures = self.fill_failures, {}
+        return failures
 
     def _batch_matcher(self):
         if self._batch is None:

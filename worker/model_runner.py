@@ -21,7 +21,7 @@ import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.failures import RequestFailure, describe
-from tokenbudget.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           flash_block_size_warning, kv_cache_bytes_per_block,
                                           resolve_backend)
@@ -29,6 +29,7 @@ from tokenbudget.worker.fault_isolation import StepPart, run_isolating
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.pooler import Pooler
+from tokenbudget.worker.prompt_logprobs import PromptRows
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
 from tokenbudget.worker.spec_decode import (NgramProposer, SeedRewind, aligned_drafts,
@@ -62,47 +63,6 @@ class _Step:
     positions: np.ndarray     # [T]
     input_ids: np.ndarray     # [T]
     samples: np.ndarray       # [B] bool: this request samples this step
-
-
-class _PromptRows:
-    """Requests that want prompt logprobs in this step: their packed rows and
-    the prompt tokens those rows predict."""
-
-    def __init__(self) -> None:
-        self.req_ids: list[str] = []
-        self.starts: list[int] = []
-        self.num_top: list[int] = []
-        self._packed: list[np.ndarray] = []
-        self._targets: list[np.ndarray] = []
-
-    def add(self, req_id: str, start: int, num_top: int, packed: np.ndarray,
-            targets: np.ndarray) -> None:
-        self.req_ids.append(req_id)
-        self.starts.append(start)
-        self.num_top.append(num_top)
-        self._packed.append(packed)
-        self._targets.append(targets)
-
-    @property
-    def packed(self) -> np.ndarray:
-        return np.concatenate(self._packed)
-
-    def logprobs(self, logits: torch.Tensor) -> dict[str, PromptLogprobs]:
-        """``logits``: the rows of ``packed``, in order."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.from_numpy(np.concatenate(self._targets)).to(lp.device)
-        ids = targets.unsqueeze(1)
-        max_top = max(self.num_top)
-        if max_top:
-            ids = torch.cat([ids, lp.topk(max_top, dim=-1).indices], dim=1)
-        ids_l, values_l = ids.tolist(), lp.gather(1, ids).tolist()
-        out, row = {}, 0
-        for rid, start, n, packed in zip(self.req_ids, self.starts, self.num_top, self._packed):
-            entries = [dict(zip(ids_l[r][:n + 1], values_l[r][:n + 1]))
-                       for r in range(row, row + len(packed))]
-            out[rid] = PromptLogprobs(start, entries)
-            row += len(packed)
-        return out
 
 
 class ModelRunner:
@@ -384,7 +344,7 @@ class ModelRunner:
         return np.repeat(ends - counts, counts) + (
             np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
 
-    def _prompt_logprob_rows(self, step: _Step) -> _PromptRows | None:
+    def _prompt_logprob_rows(self, step: _Step) -> PromptRows | None:
         """The packed rows whose logits give this step's prompt logprobs: the
         logits at prompt position j predict prompt token j + 1."""
         rows = None
@@ -399,7 +359,7 @@ class ModelRunner:
             if start >= end:
                 continue
             if rows is None:
-                rows = _PromptRows()
+                rows = PromptRows()
                 first_rows = np.cumsum(step.query_lens) - step.query_lens
             first = int(first_rows[i])
             rows.add(rid, start + 1, num_top, np.arange(first, first + end - start),
