@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenbudget.core.failures import RequestFailure, describe
+from tokenbudget.core.outputs import ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -76,3 +77,34 @@ def _bisect(run: Callable[[list[str]], StepPart], req_ids: list[str], parts: lis
     mid = len(req_ids) // 2
     for half in (req_ids[:mid], req_ids[mid:]):
         _bisect(run, half, parts, failed, fatal)
+
+
+def merge_parts(req_ids: list[str], parts: list[StepPart],
+                failed: dict[str, RequestFailure]) -> ModelRunnerOutput:
+    """The step's reply in scheduled order: each part's results at their
+    requests' rows, empty rows for the failed ones."""
+    index = {r: i for i, r in enumerate(req_ids)}
+    if len(parts) == 1 and not failed:  # the usual case: one run did the whole step
+        part = parts[0]
+        return ModelRunnerOutput(req_ids, index, part.sampled, part.logprobs,
+                                 pooler_output=part.pooler_output,
+                                 prompt_logprobs=part.prompt_logprobs)
+    sampled: list[list[int]] = [[] for _ in req_ids]
+    logprobs: list | None = None
+    pooled: list | None = None
+    prompt_logprobs: dict | None = None
+    for part in parts:
+        for k, rid in enumerate(part.req_ids):
+            sampled[index[rid]] = part.sampled[k]
+            if part.logprobs is not None and part.logprobs[k] is not None:
+                if logprobs is None:
+                    logprobs = [None] * len(req_ids)
+                logprobs[index[rid]] = part.logprobs[k]
+            if part.pooler_output is not None and part.pooler_output[k] is not None:
+                if pooled is None:
+                    pooled = [None] * len(req_ids)
+                pooled[index[rid]] = part.pooler_output[k]
+        if part.prompt_logprobs:
+            prompt_logprobs = {**(prompt_logprobs or {}), **part.prompt_logprobs}
+    return ModelRunnerOutput(req_ids, index, sampled, logprobs, pooler_output=pooled,
+                             prompt_logprobs=prompt_logprobs, failed=failed or None)

@@ -25,7 +25,7 @@ from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           flash_block_size_warning, kv_cache_bytes_per_block,
                                           resolve_backend)
-from tokenbudget.worker.fault_isolation import StepPart, run_isolating
+from tokenbudget.worker.fault_isolation import StepPart, merge_parts, run_isolating
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.pooler import Pooler
@@ -486,31 +486,7 @@ class ModelRunner:
             for rid, tokens in zip(part.req_ids, part.sampled):
                 if tokens:
                     batch.append_tokens(requests[rid].row, tokens)
-        index = {r: i for i, r in enumerate(req_ids)}
-        if len(parts) == 1 and not failed:  # the usual case: one run did the whole step
-            part = parts[0]
-            return ModelRunnerOutput(req_ids, index, part.sampled, part.logprobs,
-                                     pooler_output=part.pooler_output,
-                                     prompt_logprobs=part.prompt_logprobs)
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list | None = None
-        pooled: list | None = None
-        prompt_logprobs: dict | None = None
-        for part in parts:
-            for k, rid in enumerate(part.req_ids):
-                sampled[index[rid]] = part.sampled[k]
-                if part.logprobs is not None and part.logprobs[k] is not None:
-                    if logprobs is None:
-                        logprobs = [None] * len(req_ids)
-                    logprobs[index[rid]] = part.logprobs[k]
-                if part.pooler_output is not None and part.pooler_output[k] is not None:
-                    if pooled is None:
-                        pooled = [None] * len(req_ids)
-                    pooled[index[rid]] = part.pooler_output[k]
-            if part.prompt_logprobs:
-                prompt_logprobs = {**(prompt_logprobs or {}), **part.prompt_logprobs}
-        return ModelRunnerOutput(req_ids, index, sampled, logprobs, pooler_output=pooled,
-                                 prompt_logprobs=prompt_logprobs, failed=failed or None)
+        return merge_parts(req_ids, parts, failed)
 
     def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
         """Drafts for the next step of each request that sampled this step
