@@ -30,7 +30,7 @@ def test_a_reply_missing_a_sampled_token_is_a_step_error(make_scheduler, make_re
 
 def test_a_draft_step_reply_missing_its_token_is_a_step_error(make_scheduler, make_request,
                                                               step, fake_model):
-    s = make_scheduler(num_speculative_tokens=2)
+    s = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     s.add_request(make_request("a", 8))
     step(s, fake_model(drafts=lambda r: [1, 2]))
     so = s.schedule()

@@ -40,7 +40,8 @@ def test_drafts_never_ask_for_more_than_the_cache_holds(
         make_scheduler, make_request, run_to_completion, fake_model):
     # 64 tokens of KV and 3 draft slots: the request can grow to 61 tokens.
     # Drafts past that would preempt it (recomputing it) again and again.
-    s = make_scheduler(num_blocks=5, block_size=16, num_speculative_tokens=3)
+    s = make_scheduler(num_blocks=5, block_size=16,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     req = make_request("r", 40, max_tokens=100, ignore_eos=True)
     s.add_request(req)
     run = run_to_completion(s, fake_model(drafts=lambda r: [1, 2, 3]), max_steps=200)

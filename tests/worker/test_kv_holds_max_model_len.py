@@ -23,7 +23,7 @@ def test_an_explicit_max_model_len_the_cache_cannot_hold_is_refused(tiny_qwen3_p
 def test_draft_slots_count_against_the_cache(tiny_qwen3_path):
     with pytest.raises(ValueError, match=r"max_model_len=48 \+ num_speculative_tokens=2 needs"):
         LLM(tiny_qwen3_path, device="cpu", num_gpu_blocks=4, max_model_len=48,
-            num_speculative_tokens=2)
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_the_default_max_model_len_is_capped_to_the_cache(tiny_qwen3_path, caplog):
