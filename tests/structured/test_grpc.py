@@ -70,7 +70,10 @@ def test_compile_timeout_is_deadline_exceeded(served, monkeypatch):
     client, engine = served
     manager = engine.core.scheduler.structured_output_manager
     release = threading.Event()
-    monkeypatch.setattr(manager, "compile", lambda params: release.wait(30))
+    real_compile = manager.compile
+    # A real grammar once released: the compile cache sizes what it keeps.
+    monkeypatch.setattr(manager, "compile",
+                        lambda params: release.wait(30) and real_compile(params))
     monkeypatch.setattr(manager, "compile_timeout_s", 0.2)
     try:
         with pytest.raises(grpc.RpcError) as err:
