@@ -192,7 +192,7 @@ class FuzzWorker:
 def configs(draw) -> tuple[SchedulerConfig, CacheConfig, bool, bool]:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     spec = draw(st.sampled_from([0, 0, 1, 3]))
-    async_scheduling = not spec and draw(st.booleans())  # drafts do not combine with it
+    async_scheduling = draw(st.booleans())
     sched = SchedulerConfig(
         max_num_batched_tokens=draw(st.integers(2, 64)),
         max_num_seqs=draw(st.integers(1, 5)),
@@ -217,16 +217,27 @@ class SchedulerMachine(RuleBasedStateMachine):
     """One engine and its fake worker; rules add, abort, step and restart."""
 
     @initialize(config=configs(), seed=st.integers(0, 2**16),
-                tick_s=st.sampled_from([0.001, 0.5, 5.0]))
-    def setup(self, config, seed: int, tick_s: float) -> None:
+                tick_s=st.sampled_from([0.001, 0.5, 5.0]), came_back_smaller=st.booleans())
+    def setup(self, config, seed: int, tick_s: float, came_back_smaller: bool) -> None:
         self.sched_cfg, self.cache_cfg, structured, defer_masks = config
         self.rng = random.Random(seed)
         self.spec = self.sched_cfg.num_speculative_tokens
         self.som = TinyVocabOutputs(None, len(VOCAB), compile_threads=1,
                                     fill_threads=1) if structured else None
+        num_blocks = self.cache_cfg.num_blocks
+        if came_back_smaller:
+            # The engine starts with a cache that holds max_model_len, and its
+            # worker comes back with the drawn one: max_model_len stays, so
+            # some requests can never fit.
+            need = self.sched_cfg.max_model_len + self.spec
+            self.cache_cfg.num_blocks = 1 + -(-need // self.cache_cfg.block_size)
         self.worker = FuzzWorker(self, self.cache_cfg.num_blocks, self.spec, defer_masks)
         # A pool smaller than max_model_len lowers it here (fit_max_model_len).
         self.engine = EngineCore(self.sched_cfg, self.cache_cfg, self.worker, self.som)
+        if came_back_smaller:
+            self.worker.num_blocks = num_blocks
+            self.engine.discard_requests()
+            self.engine.reinitialize()
         self.tick_s = tick_s
         self._set_clock()
         self.requests: dict[str, Request] = {}
@@ -237,7 +248,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.idle = 0
         TOTALS["machines"] += 1
         mode = ("async, deferred masks" if defer_masks else "async") \
-            if self.sched_cfg.async_scheduling else f"sync, {self.spec} drafts"
+            if self.sched_cfg.async_scheduling else "sync"
+        mode += f", {self.spec} drafts" if self.spec else ""
         mode += ", structured" if structured else ""
         TOTALS["modes"][mode] = TOTALS["modes"].get(mode, 0) + 1
 
