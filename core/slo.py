@@ -107,23 +107,32 @@ class SLOOrder:
         if not waiting:
             return []
         aged: list[Request] = []
-        rest: list[Request] = []
+        # (deadline, arrival, queue position, request) of the others, sorted
+        # plainly: ties stay in queue order, as in a stable sort by (deadline,
+        # arrival). This runs over the whole queue every step: each deadline
+        # is computed once, not again in the walk below.
+        rest: list[tuple[float, float, int, Request]] = []
         bound = now - self.aging_s if self.aging_s > 0 else -math.inf
-        for r in waiting:
-            (aged if r.arrival_time <= bound else rest).append(r)
+        deadline = self.deadline
+        for i, r in enumerate(waiting):
+            arrival = r.arrival_time
+            if arrival <= bound:
+                aged.append(r)
+            else:
+                rest.append((deadline(r), arrival, i, r))
         aged.sort(key=lambda r: r.arrival_time)
-        rest.sort(key=lambda r: (self.deadline(r), r.arrival_time))
+        rest.sort()
         # Prefill tokens per step left over by the running requests' decodes.
         per_step = max(self.budget - num_decoding, 1)
         step_s = self.step_s
         ahead = sum(r.num_tokens - r.num_computed_tokens for r in aged)
         on_time: list[Request] = []
         late: list[Request] = []
-        for r in rest:
-            prefill = r.num_tokens - r.num_computed_tokens
+        for due, _, _, r in rest:
+            prefill = len(r.all_token_ids) - r.num_computed_tokens
             # The first token comes at the end of the step that finishes the prefill.
             first_token = now + ((ahead + prefill - 1) // per_step + 1) * step_s
-            if first_token > self.deadline(r):
+            if first_token > due:
                 late.append(r)
             else:
                 on_time.append(r)
