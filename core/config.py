@@ -143,6 +143,17 @@ class CacheConfig:
     # so nobody can precompute colliding prompts; set it for hashes that
     # agree across processes and restarts.
     hash_seed: int | None = None
+    # Host-memory KV tier (core/kv/tiering.py): its size in bytes, or in blocks
+    # (num_offload_blocks wins; the worker fills it in from the bytes). Off when
+    # both are None or 0.
+    kv_offload_memory_bytes: int | None = None
+    num_offload_blocks: int | None = None
+    # Blocks copied from the host tier into the device cache per step, at most
+    # (one request needing more still loads, alone in its step).
+    kv_load_blocks_per_step: int = 256
+    # Publish KV cache events (core/kv/events.py): block stored / removed per
+    # tier, all cleared. Off by default: the bookkeeping costs a little per block.
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -152,6 +163,12 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        for name in ("kv_offload_memory_bytes", "num_offload_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_load_blocks_per_step < 1:
+            raise ValueError("kv_load_blocks_per_step must be >= 1, got "
+                             f"{self.kv_load_blocks_per_step}")
         if self.hash_algo not in ("sha256", "xxhash"):
             raise ValueError(f"hash_algo must be 'sha256' or 'xxhash', got {self.hash_algo!r}")
         if self.hash_seed is not None and not 0 <= self.hash_seed < 1 << 64:

@@ -154,9 +154,10 @@ class EngineCore:
                    for r in s.running) or bool(s.waiting)
 
     def _flush_finished(self, so: SchedulerOutput) -> None:
-        # Nothing to run, but workers must still hear about finished requests
-        # and evicted encoder outputs.
-        if so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids:
+        # Nothing to run, but workers must still hear about finished requests,
+        # evicted encoder outputs and KV to copy out before its blocks are reused.
+        if so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids \
+                or so.kv_swap_out:
             self.executor.execute_model(so).result()
 
     # -- after a worker failed -----------------------------------------------------------

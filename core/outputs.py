@@ -76,6 +76,11 @@ class SchedulerOutput:
     # counts; a reply without their token is a broken reply. (Without async
     # scheduling, num_computed_tokens >= num_tokens says it at update time.)
     must_sample: set[str] = field(default_factory=set)
+    # KV copies the worker runs before this step's forward, all of
+    # kv_swap_out first: (device block, host slot) and (host slot, device
+    # block) pairs (core/kv/tiering.py).
+    kv_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    kv_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

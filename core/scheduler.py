@@ -16,6 +16,7 @@ from tokenbudget.core.encoder_cache import EncoderCacheManager
 from tokenbudget.core.failures import (RequestFailure, WorkerReplyError, describe,
                                        error_of)
 from tokenbudget.core.kv import KVCacheManager
+from tokenbudget.core.kv.tiering import KVTiering
 from tokenbudget.core.policy import (REORDERING_POLICIES, AdmissionReserve, WaitingOrder,
                                      make_victim_picker)
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
@@ -45,6 +46,14 @@ class SchedulerStats:
     num_preemptions: int
     encoder_cache_usage: float
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    # The host KV tier (core/kv/tiering.py); zeros without one.
+    num_offload_blocks: int = 0
+    offload_blocks_used: int = 0
+    num_swapped_requests: int = 0
+    # Tokens computed again after a preemption had thrown their KV away.
+    num_recomputed_tokens: int = 0
+    kv_swap_out_blocks: int = 0
+    kv_swap_in_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -81,6 +90,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, cache_config.hash_algo, cache_config.hash_seed)
+        self.kv_tiering = KVTiering(self.kv_cache_manager, cache_config)
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.structured_output_manager = structured_output_manager
         # Schedule with a pending grammar_bitmask (a Future) that the engine
@@ -191,6 +201,7 @@ class Scheduler:
     def _free_request(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv_cache_manager.free(req)
+        self.kv_tiering.on_free(req)
         if req.mm_features:
             self.encoder_cache_manager.free(req)
         if req.structured_request is not None and self.structured_output_manager is not None:
@@ -230,14 +241,19 @@ class Scheduler:
         return bool(self.requests)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        return self.kv_tiering.reset()
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        t = self.kv_tiering
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
                               kv.prefix_queries, kv.prefix_hits, self.num_preemptions,
                               self.encoder_cache_manager.usage(),
-                              self.spec_decoding_stats.copy())
+                              self.spec_decoding_stats.copy(),
+                              t.host.num_slots if t.host is not None else 0,
+                              t.num_offload_blocks_used(), len(t.swapped),
+                              t.num_recomputed_tokens, t.num_swapped_out_blocks,
+                              t.num_swapped_in_blocks)
 
     # -- schedule -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -264,6 +280,7 @@ class Scheduler:
         elif self._reserve is not None:
             self._reserve.on_preemption(self.running)
         out = self._make_output(step)
+        self.kv_tiering.finish_step(out)
         self._update_after_schedule(step, out)
         return out
 
@@ -392,6 +409,11 @@ class Scheduler:
                 self._fail_outgrown(req)  # else it would block the queue for ever
                 continue
             hits, num_cached = kv.get_computed_blocks(req)
+            # Past the device hits, the host tier may hold more (or its swapped KV).
+            load = self.kv_tiering.plan_load(req, hits, num_cached)
+            if load is None:
+                break  # its swap-in waits for the next step's copy budget
+            loads, num_cached = load
             num_new = req.num_tokens - num_cached
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -408,6 +430,7 @@ class Scheduler:
                 new_ids = kv.allocate_slots(req, num_new, hits, num_cached,
                                             cfg.num_speculative_tokens)
             if new_ids is None:
+                self.kv_tiering.cancel_load(loads)
                 if req.mm_features:
                     # Drop the encoder-cache references the lookup just took:
                     # a waiting request must not pin entries.
@@ -416,6 +439,7 @@ class Scheduler:
             if reserve is not None:
                 reserved += reserve.future_tokens(req) / kv.block_size
             waiting.pop()
+            self.kv_tiering.commit_load(req, hits, loads, num_cached)
             kv.record_prefix_lookup(req, num_cached)
             self.running.append(req)
             if req.status == RequestStatus.PREEMPTED:
@@ -552,7 +576,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: _Step) -> int:
         """Send ``req`` back to the head of WAITING, recomputing from scratch
-        later. Returns the index it had in ``running``."""
+        later, or, with room in the host KV tier, swapping its KV out and back
+        in (core/kv/tiering.py). Returns the index it had in ``running``."""
         index = self.running.index(req)
         del self.running[index]
         rid = req.request_id
@@ -564,6 +589,7 @@ class Scheduler:
             step.spec_tokens.pop(rid, None)
             for input_id in step.encoder_inputs.pop(rid, ()):
                 step.encoder_budget += req.mm_features[input_id].length
+        self.kv_tiering.on_preempt(req)  # swap its KV out, while it is known
         self.kv_cache_manager.free(req)
         if req.mm_features:
             self.encoder_cache_manager.free(req)

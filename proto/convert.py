@@ -25,7 +25,8 @@ from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import (STRUCTURED_KINDS, SamplingParams,
                                               StructuredOutputParams)
-from tokenbudget.proto import common_pb2, worker_pb2
+from tokenbudget.core.kv.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
+from tokenbudget.proto import common_pb2, generate_pb2, worker_pb2
 
 # -- tensors and loose values -------------------------------------------------------
 
@@ -187,8 +188,10 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputP
 
 # -- configs (Initialize) -----------------------------------------------------------
 
-_CACHE_FIELDS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization", "hash_algo")
-_CACHE_OPTIONAL = ("num_blocks", "kv_cache_memory_bytes")
+_CACHE_FIELDS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization", "hash_algo",
+                 "kv_load_blocks_per_step", "enable_kv_cache_events")
+_CACHE_OPTIONAL = ("num_blocks", "kv_cache_memory_bytes", "kv_offload_memory_bytes",
+                   "num_offload_blocks")
 _SCHED_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                  "long_prefill_token_threshold", "policy", "encoder_compute_budget",
                  "encoder_cache_size", "async_scheduling")
@@ -313,6 +316,50 @@ def _ragged_from_proto(msg: worker_pb2.RaggedIds, share_empty: bool = False,
     return [list(islice(it, count)) for count in _i32_list(msg.counts)]
 
 
+def _pairs(data: bytes) -> list[tuple[int, int]]:
+    """I32 values back to back -> (a, b) pairs (kv_swap_out / kv_swap_in)."""
+    flat = _i32_list(data)
+    if len(flat) % 2:
+        raise ValueError(f"KV copy list of {len(flat)} values: expected pairs")
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+# -- KV cache events -----------------------------------------------------------------------
+
+
+def kv_event_batch_to_proto(batch: KVEventBatch) -> generate_pb2.KvEventBatch:
+    msg = generate_pb2.KvEventBatch(seq=batch.seq, snapshot=batch.snapshot,
+                                    num_dropped=batch.num_dropped)
+    for e in batch.events:
+        out = msg.events.add()
+        if type(e) is BlockStored:
+            out.stored.block_hash = e.block_hash
+            out.stored.parent_hash = e.parent_hash or b""
+            out.stored.token_ids = _i32(e.token_ids)
+            out.stored.tier = e.tier
+        elif type(e) is BlockRemoved:
+            out.removed.block_hash = e.block_hash
+            out.removed.tier = e.tier
+        else:
+            out.all_cleared.SetInParent()
+    return msg
+
+
+def kv_event_batch_from_proto(msg: generate_pb2.KvEventBatch) -> KVEventBatch:
+    events = []
+    for e in msg.events:
+        kind = e.WhichOneof("kind")
+        if kind == "stored":
+            s = e.stored
+            events.append(BlockStored(s.block_hash, s.parent_hash or None,
+                                      _i32_list(s.token_ids), s.tier))
+        elif kind == "removed":
+            events.append(BlockRemoved(e.removed.block_hash, e.removed.tier))
+        else:
+            events.append(AllCleared())
+    return KVEventBatch(msg.seq, events, msg.snapshot, msg.num_dropped)
+
+
 # -- SchedulerOutput (stateful: request handles) ----------------------------------------
 
 
@@ -357,6 +404,7 @@ class SchedulerOutputEncoder:
                 or so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs
                 or so.free_encoder_mm_hashes or so.grammar_bitmask is not None
                 or so.structured_req_ids or cached.resumed_token_ids or not nst
+                or so.kv_swap_out or so.kv_swap_in
                 or cached.req_ids != self._last_order or list(nst) != cached.req_ids
                 or list(nst.values()) != self._last_counts):
             return None
@@ -417,6 +465,10 @@ class SchedulerOutputEncoder:
             tensor_to_proto(so.grammar_bitmask, msg.grammar_bitmask)
         if so.structured_req_ids:
             msg.structured_handles = _i32(self._lookup(so.structured_req_ids))
+        if so.kv_swap_out:
+            msg.kv_swap_out = _i32(list(chain.from_iterable(so.kv_swap_out)))
+        if so.kv_swap_in:
+            msg.kv_swap_in = _i32(list(chain.from_iterable(so.kv_swap_in)))
         self._free.extend(finished)  # reusable from the next step on
         return msg
 
@@ -553,6 +605,8 @@ class SchedulerOutputDecoder:
                              if msg.HasField("grammar_bitmask") else None),
             structured_req_ids=(self._names(_i32_list(msg.structured_handles))
                                 if msg.structured_handles else []),
+            kv_swap_out=_pairs(msg.kv_swap_out) if msg.kv_swap_out else [],
+            kv_swap_in=_pairs(msg.kv_swap_in) if msg.kv_swap_in else [],
         )
         for h in finished_handles:
             self._ids[h] = None

@@ -134,7 +134,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "encoder_cache_usage", "num_generated_tokens", "healthy", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "spec_accepted_per_position")
+    __slots__ = ("num_running", "num_waiting", "num_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "encoder_cache_usage", "num_generated_tokens", "healthy", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "spec_accepted_per_position", "num_offload_blocks", "offload_blocks_used", "num_swapped_requests", "num_recomputed_tokens", "kv_swap_out_blocks", "kv_swap_in_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,12 @@ class Stats(_message.Message):
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_requests: int
@@ -169,7 +175,65 @@ class Stats(_message.Message):
     spec_num_accepted_tokens: int
     spec_mean_accepted_length: float
     spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., encoder_cache_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_offload_blocks: int
+    offload_blocks_used: int
+    num_swapped_requests: int
+    num_recomputed_tokens: int
+    kv_swap_out_blocks: int
+    kv_swap_in_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., encoder_cache_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., num_offload_blocks: _Optional[int] = ..., offload_blocks_used: _Optional[int] = ..., num_swapped_requests: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_swap_out_blocks: _Optional[int] = ..., kv_swap_in_blocks: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("max_pending",)
+    MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
+    max_pending: int
+    def __init__(self, max_pending: _Optional[int] = ...) -> None: ...
+
+class KvBlockStored(_message.Message):
+    __slots__ = ("block_hash", "parent_hash", "token_ids", "tier")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: bytes
+    tier: str
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class KvBlockRemoved(_message.Message):
+    __slots__ = ("block_hash", "tier")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    tier: str
+    def __init__(self, block_hash: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class KvAllCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlockStored
+    removed: KvBlockRemoved
+    all_cleared: KvAllCleared
+    def __init__(self, stored: _Optional[_Union[KvBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[KvAllCleared, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "events", "snapshot", "num_dropped")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    snapshot: bool
+    num_dropped: int
+    def __init__(self, seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., num_dropped: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "pooling_params", "priority", "cache_salt", "tenant")

@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/tokenbudget.v1.Generation/SubscribeKvEvents',
+                request_serializer=tokenbudget_dot_v1_dot_generate__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -98,6 +103,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """KV cache events (the server needs --enable-kv-cache-events). The first
+        batch is a snapshot; see KvEventBatch for sequence numbers and resync.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +138,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
                     response_serializer=tokenbudget_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=tokenbudget_dot_v1_dot_generate__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class Generation:
             '/tokenbudget.v1.Generation/Embed',
             tokenbudget_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
             tokenbudget_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenbudget.v1.Generation/SubscribeKvEvents',
+            tokenbudget_dot_v1_dot_generate__pb2.SubscribeKvEventsRequest.SerializeToString,
+            tokenbudget_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,20 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CacheConfig(_message.Message):
-    __slots__ = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "hash_algo")
+    __slots__ = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "hash_algo", "kv_offload_memory_bytes", "num_offload_blocks", "kv_load_blocks_per_step", "enable_kv_cache_events")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_BLOCKS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int
     gpu_memory_utilization: float
     hash_algo: str
-    def __init__(self, block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., hash_algo: _Optional[str] = ...) -> None: ...
+    kv_offload_memory_bytes: int
+    num_offload_blocks: int
+    kv_load_blocks_per_step: int
+    enable_kv_cache_events: bool
+    def __init__(self, block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., hash_algo: _Optional[str] = ..., kv_offload_memory_bytes: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., kv_load_blocks_per_step: _Optional[int] = ..., enable_kv_cache_events: _Optional[bool] = ...) -> None: ...
 
 class SpeculativeConfig(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
@@ -74,10 +82,12 @@ class InitializeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "num_offload_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    num_offload_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ...) -> None: ...
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("mm_hash", "offset", "length", "data")
@@ -149,7 +159,7 @@ class CachedRequests(_message.Message):
     def __init__(self, handles: _Optional[bytes] = ..., new_block_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., num_computed_tokens: _Optional[bytes] = ..., resumed_token_ids: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids", "repeats_last_step")
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids", "repeats_last_step", "kv_swap_out", "kv_swap_in")
     class ScheduledSpecDecodeTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +191,8 @@ class SchedulerOutput(_message.Message):
     FINISHED_UNSENT_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_UNSENT_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     REPEATS_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequest]
     scheduled_cached_reqs: CachedRequests
@@ -198,7 +210,9 @@ class SchedulerOutput(_message.Message):
     finished_unsent_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_unsent_req_ids: _containers.RepeatedScalarFieldContainer[str]
     repeats_last_step: bool
-    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ..., repeats_last_step: _Optional[bool] = ...) -> None: ...
+    kv_swap_out: bytes
+    kv_swap_in: bytes
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ..., repeats_last_step: _Optional[bool] = ..., kv_swap_out: _Optional[bytes] = ..., kv_swap_in: _Optional[bytes] = ...) -> None: ...
 
 class RequestLogprobs(_message.Message):
     __slots__ = ("present", "tokens")

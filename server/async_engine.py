@@ -71,6 +71,13 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_mean_accepted_length: float = 0.0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # The host KV tier (SchedulerStats' fields of the same names).
+    num_offload_blocks: int = 0
+    offload_blocks_used: int = 0
+    num_swapped_requests: int = 0
+    num_recomputed_tokens: int = 0
+    kv_swap_out_blocks: int = 0
+    kv_swap_in_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -557,5 +564,9 @@ class AsyncEngine:
             spec_num_draft_tokens=s.spec_decoding.num_draft_tokens,
             spec_num_accepted_tokens=s.spec_decoding.num_accepted_tokens,
             spec_mean_accepted_length=s.spec_decoding.mean_accepted_length,
-            spec_accepted_per_position=s.spec_decoding.accepted_per_position)
+            spec_accepted_per_position=s.spec_decoding.accepted_per_position,
+            num_offload_blocks=s.num_offload_blocks, offload_blocks_used=s.offload_blocks_used,
+            num_swapped_requests=s.num_swapped_requests,
+            num_recomputed_tokens=s.num_recomputed_tokens,
+            kv_swap_out_blocks=s.kv_swap_out_blocks, kv_swap_in_blocks=s.kv_swap_in_blocks)
 

@@ -333,6 +333,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the xxhash block hash (default: random per process, so "
                    "clients cannot precompute colliding prompts; set it for hashes that agree "
                    "across processes and restarts); sha256 ignores it")
+    g.add_argument("--kv-offload-memory", default=None,
+                   help="host-memory KV tier, e.g. 8GiB (pinned on a GPU machine): preempted "
+                   "requests swap their KV there instead of recomputing it, and prefix blocks "
+                   "evicted from the device cache spill there (default: off)")
+    g.add_argument("--num-offload-blocks", type=int, default=None,
+                   help="host KV tier size in blocks (overrides --kv-offload-memory)")
+    g.add_argument("--kv-load-blocks-per-step", type=int, default=256,
+                   help="at most this many blocks copied from the host tier to the device per "
+                   "step (default %(default)s; one request needing more loads alone)")
+    g.add_argument("--enable-kv-cache-events", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="publish KV cache events (block stored/removed per tier, all cleared) "
+                   "on the SubscribeKvEvents stream (default off)")
     return p
 
 

@@ -181,6 +181,25 @@ class Client:
     def stats(self) -> generate_pb2.Stats:
         return self.stub.GetStats(generate_pb2.GetStatsRequest(), metadata=self.metadata)
 
+    def subscribe_kv_events(self, max_pending: int = 0):
+        """The server's KV cache events (core/kv/events.py): an iterator of
+        KVEventBatch, a snapshot first; ``cancel()`` on it ends the stream."""
+        calls = self.stub.SubscribeKvEvents(
+            generate_pb2.SubscribeKvEventsRequest(max_pending=max_pending))
+        return _KvEventStream(calls)
+
+
+class _KvEventStream:
+    def __init__(self, calls) -> None:
+        self._calls = calls
+
+    def __iter__(self):
+        for msg in self._calls:
+            yield convert.kv_event_batch_from_proto(msg)
+
+    def cancel(self) -> None:
+        self._calls.cancel()
+
 
 def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
                  request_id: str | None = None, priority: int = 0,

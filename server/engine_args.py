@@ -111,6 +111,11 @@ class EngineArgs:
     hash_algo: str = "sha256"
     # xxhash's seed (None: random per process); see CacheConfig.hash_seed.
     hash_seed: int | None = None
+    # The host-memory KV tier: a size like "8GiB", or a number of blocks.
+    kv_offload_memory: int | str | None = None
+    num_offload_blocks: int | None = None
+    kv_load_blocks_per_step: int = 256
+    enable_kv_cache_events: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -254,7 +259,11 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=parse_memory_size(self.kv_cache_memory),
             gpu_memory_utilization=self.gpu_memory_utilization, hash_algo=self.hash_algo,
-            hash_seed=self.hash_seed)
+            hash_seed=self.hash_seed,
+            kv_offload_memory_bytes=parse_memory_size(self.kv_offload_memory, "kv_offload_memory"),
+            num_offload_blocks=self.num_offload_blocks,
+            kv_load_blocks_per_step=self.kv_load_blocks_per_step,
+            enable_kv_cache_events=self.enable_kv_cache_events)
 
     def read_chat_template(self) -> str | None:
         return read_chat_template(self.chat_template)
@@ -274,13 +283,13 @@ def read_chat_template(template: str | None) -> str | None:
     return template
 
 
-def parse_memory_size(value: int | str | None) -> int | None:
+def parse_memory_size(value: int | str | None, name: str = "kv_cache_memory") -> int | None:
     """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"2g"`` -> bytes."""
     if value is None or isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", str(value).lower())
     if not m:
-        raise ValueError(f"kv_cache_memory must be a byte count or a size like '2GiB', got {value!r}")
+        raise ValueError(f"{name} must be a byte count or a size like '2GiB', got {value!r}")
     number, unit, suffix = m.groups()
     base = 1000 if suffix == "b" else 1024
     return int(float(number) * base ** " kmgt".index(unit or " "))

@@ -194,6 +194,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, _NO_STATS)
         return generate_pb2.Stats(**dataclasses.asdict(s))
 
+    def SubscribeKvEvents(self, request, context):
+        sub, why = self._kv_subscription(request)
+        if sub is None:
+            context.abort(*why)
+        try:
+            while context.is_active():
+                batch = sub.get(timeout=0.25)
+                if batch is not None:
+                    yield convert.kv_event_batch_to_proto(batch)
+        finally:
+            sub.close()
+
+    def _kv_subscription(self, request: generate_pb2.SubscribeKvEventsRequest):
+        """(subscription, None) or (None, (status, why))."""
+        if request.max_pending < 0:
+            return None, (grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_pending must be >= 0, got {request.max_pending}")
+        events = self.engine.core.scheduler.kv_tiering.events
+        if events is None:
+            return None, (grpc.StatusCode.FAILED_PRECONDITION, "KV cache events are off: "
+                          "start the server with --enable-kv-cache-events")
+        return events.subscribe(request.max_pending or _KV_EVENTS_MAX_PENDING), None
+
     def _model_info(self) -> generate_pb2.ModelInfo:
         e = self.engine
         sched = e.core.scheduler
@@ -267,6 +290,21 @@ class AioGenerationServicer(GenerationServicer):
     async def GetModelInfo(self, request, context):
         return self._model_info()
 
+    async def SubscribeKvEvents(self, request, context):
+        sub, why = self._kv_subscription(request)
+        if sub is None:
+            await context.abort(*why)
+        try:
+            while True:
+                # Polled: a blocking get would hold an executor thread per subscriber.
+                batch = sub.get(timeout=0)
+                if batch is None:
+                    await asyncio.sleep(0.02)
+                else:
+                    await context.write(convert.kv_event_batch_to_proto(batch))
+        finally:
+            sub.close()
+
     async def GetStats(self, request, context):
         try:  # the engine thread answers between steps; the loop keeps serving meanwhile
             s = await asyncio.get_running_loop().run_in_executor(None, self.engine.get_stats)
@@ -276,6 +314,8 @@ class AioGenerationServicer(GenerationServicer):
 
 
 _NO_STATS = "the engine did not answer in time"
+# Batches a KV event subscriber may fall behind by before it gets a snapshot instead.
+_KV_EVENTS_MAX_PENDING = 1024
 
 
 # GenerateRequest's optional fields that are Request keywords of the same name.

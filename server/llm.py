@@ -150,6 +150,15 @@ class LLM:
                                  max_model_len_given=args.max_model_len is not None)
         self._ids = itertools.count()
 
+    def subscribe_kv_events(self, max_pending: int = 1024):
+        """A KVEventSubscription (core/kv/events.py) of this engine's KV cache
+        events; ``get(timeout)`` returns batches, a snapshot first. Needs
+        ``enable_kv_cache_events=True``."""
+        events = self.engine.scheduler.kv_tiering.events
+        if events is None:
+            raise ValueError("KV cache events are off: pass enable_kv_cache_events=True")
+        return events.subscribe(max_pending)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without ``sampling_params``: the model's
         generation_config.json defaults (unless ``generation_config="vllm"``)

@@ -34,7 +34,8 @@ class EngineMetrics:
         self.stats_logger = StatsLogger(log_interval, log_requests=log_requests)
         self._last = 0.0
         self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0,
-                                      "draft_tokens": 0, "accepted": 0}
+                                      "draft_tokens": 0, "accepted": 0, "recomputed": 0,
+                                      "swap_out": 0, "swap_in": 0}
         r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Any:
@@ -54,8 +55,17 @@ class EngineMetrics:
                                      "Prefix cache hits / queries, in tokens, since start.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed later).")
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed or swapped out).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.offload_used = gauge("kv_offload_blocks_used",
+                                  "Host KV tier blocks holding KV (swapped or cached).")
+        self.offload_free = gauge("kv_offload_blocks_free", "Host KV tier blocks holding none.")
+        self.swapped = gauge("num_requests_swapped",
+                             "Preempted requests whose KV waits in the host tier.")
+        self.recomputed = counter("num_recomputed_tokens",
+                                  "Tokens computed again after a preemption dropped their KV.")
+        self.swap_out = counter("kv_swap_out_blocks", "KV blocks copied device -> host.")
+        self.swap_in = counter("kv_swap_in_blocks", "KV blocks copied host -> device.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
                               _LATENCY_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds",
@@ -114,6 +124,9 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self.offload_used.set(stats.offload_blocks_used)
+        self.offload_free.set(stats.num_offload_blocks - stats.offload_blocks_used)
+        self.swapped.set(stats.num_swapped_requests)
         for key, counter, value in (("queries", self.prefix_queries, queries),
                                     ("hits", self.prefix_hits, hits),
                                     ("preemptions", self.preemptions, stats.num_preemptions),
@@ -121,7 +134,10 @@ class EngineMetrics:
                                     ("draft_tokens", self.spec_draft_tokens,
                                      stats.spec_num_draft_tokens),
                                     ("accepted", self.spec_accepted,
-                                     stats.spec_num_accepted_tokens)):
+                                     stats.spec_num_accepted_tokens),
+                                    ("recomputed", self.recomputed, stats.num_recomputed_tokens),
+                                    ("swap_out", self.swap_out, stats.kv_swap_out_blocks),
+                                    ("swap_in", self.swap_in, stats.kv_swap_in_blocks)):
             if value < self._seen[key]:  # a fresh scheduler (workers reconnected) counts from 0
                 self._seen[key] = 0
             if value > self._seen[key]:

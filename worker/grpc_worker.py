@@ -83,7 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache_config.block_size)
         logger.info("gc: froze %d objects after loading; thresholds %s", policy.frozen,
                     policy.thresholds)
-        return worker_pb2.InitializeResponse(num_blocks=num_blocks)
+        return worker_pb2.InitializeResponse(
+            num_blocks=num_blocks, num_offload_blocks=cache_config.num_offload_blocks or 0)
 
     def ExecuteModel(self, request_iterator, context):
         with self._step_lock:

@@ -27,6 +27,7 @@ from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           resolve_backend)
 from tokenbudget.worker.fault_isolation import StepPart, merge_parts, run_isolating
 from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
+from tokenbudget.worker.kv_transfer import HostKVCache, num_offload_slots
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.pooler import Pooler
 from tokenbudget.worker.prompt_logprobs import PromptRows
@@ -92,6 +93,7 @@ class ModelRunner:
         # them: a step scheduled before it heard of the failure skips them.
         self.failed: dict[str, RequestFailure] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.host_kv: HostKVCache | None = None  # the host tier (worker/kv_transfer.py)
         self.batch: InputBatch | None = None
         self.block_size = 0
         self.proposer: NgramProposer | None = None
@@ -145,6 +147,10 @@ class ModelRunner:
                                           spec.prompt_lookup_max)
         self.kv_caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
                                             self.dtype, self.device)
+        num_slots = num_offload_slots(cache_config, per_block)
+        self.host_kv = HostKVCache(self.kv_caches, num_slots) if num_slots else None
+        if num_slots:
+            cache_config.num_offload_blocks = num_slots  # the scheduler's host slots
         self.batch = InputBatch(scheduler_config.max_num_seqs,
                                 scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
                                 blocks_per_req)
@@ -231,6 +237,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.kv_swap_out or so.kv_swap_in:
+            self.host_kv.copy(so.kv_swap_out, so.kv_swap_in)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         req_ids = list(so.num_scheduled_tokens)

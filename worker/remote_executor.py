@@ -107,6 +107,7 @@ class RemoteExecutor:
             model=model, dtype=dtype, device=device, attention_backend=attention_backend)
         self._connect_timeout = connect_timeout
         self._step_timeout = step_timeout
+        self.num_offload_blocks = 0  # host KV tier slots the workers allocated
         self._lock = threading.Lock()
         self._step_id = 0
         self._encoder = convert.SchedulerOutputEncoder()
@@ -125,6 +126,8 @@ class RemoteExecutor:
         # Kept as sent: reinitialize asks the workers for the same configuration.
         convert.configs_to_proto(cache_config, scheduler_config, self._init)
         num_blocks = self._connect(self._connect_timeout)
+        if self.num_offload_blocks:
+            cache_config.num_offload_blocks = self.num_offload_blocks  # the scheduler's host slots
         if self._step_timeout:
             threading.Thread(target=self._watch, daemon=True,
                              name="tokenbudget-remote-watchdog").start()
@@ -150,14 +153,15 @@ class RemoteExecutor:
             if self._closed.is_set():
                 raise WorkerUnavailableError("the executor is shut down")
             self._connecting = conns
-        num_blocks = []
+        num_blocks, num_offload = [], []
         try:
             for conn in conns:
                 try:
                     conn.ready.result(timeout=connect_timeout)
                     # No deadline: loading a large model may take minutes.
-                    num_blocks.append(conn.stub.Initialize(
-                        self._init, metadata=self._metadata).num_blocks)
+                    reply = conn.stub.Initialize(self._init, metadata=self._metadata)
+                    num_blocks.append(reply.num_blocks)
+                    num_offload.append(reply.num_offload_blocks)
                 except (grpc.FutureTimeoutError, grpc.FutureCancelledError,
                         grpc.RpcError) as exc:
                     raise WorkerUnavailableError(
@@ -178,6 +182,8 @@ class RemoteExecutor:
             conn.reader = threading.Thread(target=self._read, args=(conn, stream), daemon=True,
                                            name=f"tokenbudget-remote-{conn.rank}")
             conn.reader.start()
+        # Host KV tier slots, as the workers sized them (0: none).
+        self.num_offload_blocks = min(num_offload)
         return min(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:

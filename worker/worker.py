@@ -48,6 +48,7 @@ class Worker:
         # following engine in the same process gets the memory back.
         runner = self.model_runner
         runner.kv_caches = []
+        runner.host_kv = None
         runner.requests.clear()
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()

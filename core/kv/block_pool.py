@@ -8,7 +8,7 @@ the queue is always the hash-less blocks, then the cached ones in LRU order.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVCacheBlock:
@@ -90,6 +90,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # Called with a cached block about to lose its hash for reuse (the
+        # host tier spills it; KV events report it). See core/kv/tiering.py.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_queue.num_free
@@ -133,16 +136,27 @@ class BlockPool:
                 else:
                     queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Make ``block`` findable by its hash; False when it was not cached."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         # An equal block computed by another request in the same step stays
         # uncached: one block per hash keeps lookup and eviction simple.
         if block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.cached.get(block.block_hash) is block:
+            if self.on_evict is not None:
+                self.on_evict(block)
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s hash without evicting it (its KV is not computed)."""
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None

@@ -8,6 +8,7 @@ from tokenbudget.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenbudget.core.kv.hashing import BlockHasher
 
 if TYPE_CHECKING:
+    from tokenbudget.core.kv.events import KVEventPublisher
     from tokenbudget.core.request import Request
 
 
@@ -23,6 +24,8 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # KV cache events (core/kv/events.py), when enabled.
+        self.events: KVEventPublisher | None = None
 
     # -- lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -120,8 +123,12 @@ class KVCacheManager:
             return
         hashes = self.hasher.update(request)
         cache = self.block_pool.cache_block
+        events = self.events
         for i in range(start, num_full):
-            cache(blocks[i], hashes[i])
+            if cache(blocks[i], hashes[i]) and events is not None:
+                bs = self.block_size
+                events.stored(hashes[i], "device", hashes[i - 1] if i else None,
+                              request.all_token_ids[i * bs:(i + 1) * bs])
         self.num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -1,0 +1,272 @@
+"""The host KV tier at the scheduler: swap on preemption, spill and load of
+prefix blocks, and KV cache events, checked against a KV oracle.
+
+The oracle stands in for the worker's KV cache: each device block and host
+slot holds, per offset, the identity of the KV written there (the token
+history up to that position). It runs the copies each SchedulerOutput lists
+(swap-outs, then swap-ins) and then the step: every position a request reads
+(before its scheduled ones) must hold exactly its own KV, and the scheduled
+positions are written. A wrong copy, a hit on a block whose KV was never
+computed, or a slot reused while still needed shows up as a wrong read.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus,
+                              SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput)
+from tokenbudget.core.kv.events import (DEVICE, HOST, AllCleared, KVEventGap,
+                                        KVEventReplayer)
+
+EOS = 0
+
+
+def kv_id(tokens: list[int], position: int) -> int:
+    return hash(tuple(tokens[:position + 1]))
+
+
+class KVOracle:
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.num_reads = 0
+
+    def _block(self, store: dict, key: int) -> list:
+        return store.setdefault(key, [None] * self.bs)
+
+    def step(self, s: Scheduler, so: SchedulerOutput) -> None:
+        for block, slot in so.kv_swap_out:
+            self.host[slot] = list(self._block(self.device, block))
+        for slot, block in so.kv_swap_in:
+            self.device[block] = list(self.host[slot])
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.tables.pop(rid, None)
+        starts = {}
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = list(new.block_ids)
+            starts[new.req_id] = new.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for rid, ids, start in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            if rid in c.resumed_token_ids:
+                self.tables[rid] = list(ids)
+            else:
+                self.tables[rid].extend(ids)
+            starts[rid] = start
+        bs = self.bs
+        for rid, n in so.num_scheduled_tokens.items():
+            tokens = s.requests[rid].all_token_ids
+            table = self.tables[rid]
+            for p in range(starts[rid]):
+                got = self._block(self.device, table[p // bs])[p % bs]
+                assert got == kv_id(tokens, p), \
+                    f"{rid} reads wrong KV at position {p} (block {table[p // bs]})"
+                self.num_reads += 1
+            for p in range(starts[rid], starts[rid] + n):
+                self._block(self.device, table[p // bs])[p % bs] = kv_id(tokens, p)
+
+
+def sample(s: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:
+    """One token per request whose prompt is computed: a function of its history."""
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        req = s.requests[rid]
+        done = req.num_computed_tokens >= req.num_tokens
+        sampled.append([1 + hash(tuple(req.all_token_ids)) % 11] if done else [])
+    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+
+def make_scheduler(num_blocks: int, num_offload_blocks: int | None, *, block_size: int = 4,
+                   caching: bool = True, events: bool = False, policy: str = "fcfs",
+                   load_budget: int = 256, budget: int = 64, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=128,
+                        policy=policy),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                    enable_prefix_caching=caching, num_offload_blocks=num_offload_blocks,
+                    kv_load_blocks_per_step=load_budget, enable_kv_cache_events=events))
+
+
+PREFIXES = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
+
+
+def random_request(rng: random.Random, rid: str, priority: bool = False) -> Request:
+    prefix = rng.choice(PREFIXES + [[]])[:rng.randint(0, 16)]
+    prompt = prefix + [rng.randint(1, 11) for _ in range(rng.randint(1, 16))]
+    params = SamplingParams(max_tokens=rng.randint(1, 16), ignore_eos=True)
+    return Request(rid, prompt, params, eos_token_id=EOS,
+                   priority=rng.randint(0, 2) if priority else 0, arrival_time=float(rid[1:]))
+
+
+def check_tiers(s: Scheduler) -> None:
+    s.kv_cache_manager.block_pool.check_invariants()
+    s.kv_tiering.check_invariants()
+    waiting = {r.request_id for r in s.waiting}
+    assert set(s.kv_tiering.swapped) <= waiting, "a swapped request is not waiting"
+
+
+def run_workload(s: Scheduler, rng: random.Random, num_ops: int, *, priority: bool = False,
+                 on_step=None) -> tuple[dict[str, list[int]], KVOracle]:
+    oracle = KVOracle(s.cache_config.block_size)
+    outputs: dict[str, list[int]] = {}
+    n = 0
+
+    def step() -> None:
+        so = s.schedule()
+        oracle.step(s, so)
+        if not so.is_empty:
+            for out in s.update_from_output(so, sample(s, so)):
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        check_tiers(s)
+        if on_step is not None:
+            on_step(s)
+
+    for _ in range(num_ops):
+        op = rng.random()
+        if op < 0.3:
+            s.add_request(random_request(rng, f"r{n}", priority))
+            n += 1
+        elif op < 0.36 and s.requests:
+            s.finish_requests(rng.choice(sorted(s.requests)), RequestStatus.FINISHED_ABORTED)
+            check_tiers(s)
+        else:
+            step()
+    for _ in range(3000):
+        if not s.has_unfinished_requests():
+            break
+        step()
+    assert not s.has_unfinished_requests()
+    return outputs, oracle
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_read_only_their_own_kv_and_leak_no_block_in_either_tier(seed):
+    rng = random.Random(seed)
+    host = rng.choice([None, 2, 6, 40])
+    block_size = rng.choice([2, 4])
+    # Room for one request at its longest (48 tokens), and little more: preemptions.
+    s = make_scheduler(num_blocks=48 // block_size + 1 + rng.randint(0, 6),
+                       num_offload_blocks=host, block_size=block_size, caching=rng.random() < 0.8,
+                       policy=rng.choice(["fcfs", "priority"]), load_budget=rng.choice([1, 3, 256]),
+                       budget=rng.choice([8, 32, 64]))
+    _, oracle = run_workload(s, rng, 120, priority=s.scheduler_config.policy == "priority")
+    assert oracle.num_reads > 0
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == s.cache_config.num_blocks - 1
+    t = s.kv_tiering
+    assert not t.swapped
+    if t.host is not None:
+        assert t.host.get_num_free() == t.host.num_slots
+        assert all(slot.ref_cnt == 0 for slot in t.host.slots)
+
+
+def _pressure(num_offload_blocks: int | None, caching: bool = True):
+    rng = random.Random(7)
+    s = make_scheduler(num_blocks=17, num_offload_blocks=num_offload_blocks, caching=caching,
+                       budget=64, max_seqs=8)
+    for i in range(8):
+        prompt = [rng.randint(1, 11) for _ in range(12)]
+        s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True),
+                              eos_token_id=EOS, arrival_time=float(i)))
+    outputs, oracle = run_workload(s, rng, 0)
+    return outputs, s
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_with_room_in_the_host_tier_preemption_recomputes_nothing(caching):
+    reference, big = _pressure(None)
+    assert big.make_stats().num_preemptions > 0
+    swapped, s = _pressure(200, caching)
+    stats = s.make_stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_recomputed_tokens == 0
+    assert stats.kv_swap_out_blocks > 0 and stats.kv_swap_in_blocks > 0
+    assert swapped == reference
+    # Without a host tier the same workload recomputes what preemption dropped.
+    recomputed, s0 = _pressure(None, caching)
+    assert recomputed == reference
+    assert s0.make_stats().num_recomputed_tokens > 0
+
+
+def test_a_host_tier_too_small_falls_back_to_recompute():
+    reference, _ = _pressure(None)
+    small, s = _pressure(2)
+    stats = s.make_stats()
+    assert small == reference
+    assert stats.num_preemptions > 0 and stats.num_recomputed_tokens > 0
+
+
+def test_an_evicted_prefix_is_loaded_back_from_the_host_tier():
+    s = make_scheduler(num_blocks=9, num_offload_blocks=16, block_size=4)
+    oracle = KVOracle(4)
+
+    def run(rid: str, prompt: list[int]) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                      eos_token_id=EOS, arrival_time=0.0)
+        s.add_request(req)
+        while s.has_unfinished_requests():
+            so = s.schedule()
+            oracle.step(s, so)
+            s.update_from_output(so, sample(s, so))
+        check_tiers(s)
+        return req
+
+    first = list(range(1, 25))  # 6 full blocks
+    a = run("a", first)
+    run("b", [50 + i for i in range(28)])  # 7 of the 8 blocks: evicts a's last 5
+    device, host = s.kv_cache_manager.block_pool.cached, s.kv_tiering.host.cached
+    assert [h in device for h in a.block_hashes] == [True] + [False] * 5
+    assert all(h in host for h in a.block_hashes[1:]), "evicted blocks spill to the host"
+    a2 = run("a2", first + [99])
+    assert a2.num_cached_tokens == 24, "1 block from the device, 5 from the host"
+    assert s.make_stats().kv_swap_in_blocks == 5
+    assert s.kv_tiering.num_host_hit_tokens == 20
+    assert oracle.num_reads >= 24  # a2's first token read all 24 positions, checked
+
+
+def test_replaying_kv_events_rebuilds_each_tiers_cached_hashes():
+    rng = random.Random(3)
+    s = make_scheduler(num_blocks=27, num_offload_blocks=10, events=True, block_size=2)
+    sub = s.kv_tiering.events.subscribe(max_pending=10_000)
+    replayer = KVEventReplayer()
+    kinds = set()
+
+    def compare(s: Scheduler) -> None:
+        while (batch := sub.get(timeout=0)) is not None:
+            replayer.apply(batch)
+            kinds.update((type(e).__name__, getattr(e, "tier", None)) for e in batch.events)
+        assert replayer.tiers[DEVICE] == set(s.kv_cache_manager.block_pool.cached)
+        assert replayer.tiers[HOST] == set(s.kv_tiering.host.cached)
+
+    run_workload(s, rng, 150, on_step=compare)
+    assert s.reset_prefix_cache()
+    compare(s)
+    assert not replayer.tiers[DEVICE] and not replayer.tiers[HOST]
+    assert {("BlockStored", DEVICE), ("BlockStored", HOST), ("BlockRemoved", DEVICE),
+            ("BlockRemoved", HOST), ("AllCleared", None)} <= kinds
+
+
+def test_a_lagging_subscriber_gets_a_snapshot_and_a_lost_batch_is_detected():
+    rng = random.Random(5)
+    s = make_scheduler(num_blocks=27, num_offload_blocks=10, events=True, block_size=2)
+    slow = s.kv_tiering.events.subscribe(max_pending=2)
+    lossy = s.kv_tiering.events.subscribe()
+    run_workload(s, rng, 60)
+    batch = slow.get(timeout=0)
+    assert batch.snapshot and batch.num_dropped > 2 and isinstance(batch.events[0], AllCleared)
+    replayer = KVEventReplayer()
+    replayer.apply(batch)
+    assert replayer.tiers[DEVICE] == set(s.kv_cache_manager.block_pool.cached)
+    assert replayer.tiers[HOST] == set(s.kv_tiering.host.cached)
+    assert slow.get(timeout=0) is None
+    # A reader that loses one batch in transit sees the gap.
+    replayer = KVEventReplayer()
+    replayer.apply(lossy.get(timeout=0))
+    replayer.apply(lossy.get(timeout=0))
+    lossy.get(timeout=0)  # lost
+    with pytest.raises(KVEventGap, match="events were lost"):
+        replayer.apply(lossy.get(timeout=0))
