@@ -39,6 +39,10 @@ class KVOracle:
         return store.setdefault(key, [None] * self.bs)
 
     def step(self, s: Scheduler, so: SchedulerOutput) -> None:
+        # Each slot / block is written at most once per step (the worker copies
+        # in one batch: a repeated target would be a race).
+        assert len({slot for _, slot in so.kv_swap_out}) == len(so.kv_swap_out)
+        assert len({block for _, block in so.kv_swap_in}) == len(so.kv_swap_in)
         for block, slot in so.kv_swap_out:
             self.host[slot] = list(self._block(self.device, block))
         for slot, block in so.kv_swap_in:
@@ -198,6 +202,39 @@ def test_a_host_tier_too_small_falls_back_to_recompute():
     stats = s.make_stats()
     assert small == reference
     assert stats.num_preemptions > 0 and stats.num_recomputed_tokens > 0
+
+
+@pytest.mark.parametrize("num_offload_blocks", [None, 8])
+def test_a_victim_already_scheduled_this_step_leaves_no_uncomputed_block_cached(
+        num_offload_blocks):
+    """A's chunk (positions 6-8) completes a block, hashed when scheduled, and
+    starts another; later in the same step B needs a block and A, the worse
+    priority, is preempted. The completed block's KV is never computed, so it
+    must not stay findable: A, resumed next step, would hit it."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, policy="priority",
+                                  long_prefill_token_threshold=3),
+                  CacheConfig(block_size=4, num_blocks=5, num_offload_blocks=num_offload_blocks))
+    oracle = KVOracle(4)
+
+    def step() -> SchedulerOutput:
+        so = s.schedule()
+        oracle.step(s, so)
+        if not so.is_empty:
+            s.update_from_output(so, sample(s, so))
+        check_tiers(s)
+        return so
+
+    s.add_request(Request("a", list(range(1, 15)), SamplingParams(max_tokens=2, ignore_eos=True),
+                          eos_token_id=EOS, priority=1, arrival_time=0.0))
+    step()
+    s.add_request(Request("b", list(range(20, 26)), SamplingParams(max_tokens=2,
+                                                                   ignore_eos=True),
+                          eos_token_id=EOS, priority=0, arrival_time=1.0))
+    step()
+    assert step().preempted_req_ids == {"a"}
+    while s.has_unfinished_requests():
+        step()
+    assert oracle.num_reads > 0
 
 
 def test_an_evicted_prefix_is_loaded_back_from_the_host_tier():
