@@ -190,6 +190,7 @@ class EngineArgs:
                 raise ValueError("hash_algo='xxhash' needs the xxhash package, which is not "
                                  "installed: pip install 'tokenbudget[fast-hash]', or use "
                                  "hash_algo='sha256'") from None
+        self.cache_config()  # sizes and KV tier settings, checked before anything loads
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -15,12 +15,14 @@ from tokenbudget.server.engine_args import EngineArgs
 
 # Config field -> the engine argument that sets it, where the names differ
 # (vLLM's names: --num-gpu-blocks, --kv-cache-memory).
-ENGINE_ARG = {"num_blocks": "num_gpu_blocks", "kv_cache_memory_bytes": "kv_cache_memory"}
+ENGINE_ARG = {"num_blocks": "num_gpu_blocks", "kv_cache_memory_bytes": "kv_cache_memory",
+              "kv_offload_memory_bytes": "kv_offload_memory"}
 # A valid value other than the default, where "the default changed a little" is not one.
 OTHER_VALUE = {"policy": "lpm", "preemption_mode": "retract", "hash_algo": "xxhash",
                "tenant_weights": {"a": 2.0}, "num_blocks": 64,
                "kv_cache_memory_bytes": 1 << 20, "admission_reserve": True,
-               "gpu_memory_utilization": 0.5, "hash_seed": 7,
+               "gpu_memory_utilization": 0.5, "hash_seed": 7, "kv_offload_memory_bytes": 8 << 30,
+               "num_offload_blocks": 64,
                "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
 # The value a setting holds in its config when given as in OTHER_VALUE, where they differ.

@@ -25,6 +25,11 @@ SETTINGS = [
     (["--kv-cache-memory-bytes", "1048576"], lambda s: s.cache.kv_cache_memory_bytes == 1 << 20),
     (["--kv-cache-memory-bytes", "2GiB"], lambda s: s.cache.kv_cache_memory_bytes == 2 << 30),
     (["--scheduling-policy", "priority"], lambda s: s.sched.policy == "priority"),
+    # The host KV tier and KV cache events (issue 14).
+    (["--kv-offload-memory", "8GiB"], lambda s: s.cache.kv_offload_memory_bytes == 8 << 30),
+    (["--num-offload-blocks", "64", "--kv-load-blocks-per-step", "32"],
+     lambda s: (s.cache.num_offload_blocks, s.cache.kv_load_blocks_per_step) == (64, 32)),
+    (["--enable-kv-cache-events"], lambda s: s.cache.enable_kv_cache_events is True),
     (["--async-scheduling"], lambda s: s.sched.async_scheduling is True),
     (["--no-async-scheduling"], lambda s: s.sched.async_scheduling is False),
     (["--enable-chunked-prefill"], lambda s: s.args.enable_chunked_prefill is True),
