@@ -17,8 +17,10 @@ import grpc
 import numpy as np
 import pytest
 
-from tokenbudget.core import SamplingParams
+from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventReplayer
+from tokenbudget.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenbudget.proto import convert, worker_pb2
 from tokenbudget.server.client import Client
 
 BIN = Path(sys.executable).parent
@@ -124,3 +126,31 @@ def test_a_negative_max_pending_is_invalid_argument(tiered_server):
         next(iter(tiered_server.subscribe_kv_events(max_pending=-1)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_pending" in info.value.details()
+
+
+def test_kv_copies_and_tier_settings_cross_the_worker_protocol():
+    cache = CacheConfig(block_size=8, num_blocks=100, kv_offload_memory_bytes=1 << 30,
+                        num_offload_blocks=77, kv_load_blocks_per_step=5,
+                        enable_kv_cache_events=True)
+    msg = worker_pb2.InitializeRequest(model="m")
+    convert.configs_to_proto(cache, SchedulerConfig(), msg)
+    assert convert.configs_from_proto(msg)[0] == cache
+
+    encoder, decoder = convert.SchedulerOutputEncoder(), convert.SchedulerOutputDecoder()
+
+    def send(so: SchedulerOutput) -> tuple[worker_pb2.SchedulerOutput, SchedulerOutput]:
+        wire = worker_pb2.SchedulerOutput.FromString(encoder.encode(so).SerializeToString())
+        return wire, decoder.decode(wire)
+
+    first = SchedulerOutput([NewRequestData("a", [1, 2], [], SamplingParams(), [1], 0)],
+                            CachedRequestData(), {"a": 2}, 2)
+    send(first)
+    steady = SchedulerOutput([], CachedRequestData(["a"], [[]], [2]), {"a": 1}, 1)
+    send(steady)
+    # The same requests and counts again, but with copies: not a bare repeat.
+    copies = SchedulerOutput([], CachedRequestData(["a"], [[]], [3]), {"a": 1}, 1,
+                             kv_swap_out=[(5, 0), (9, 3)], kv_swap_in=[(2, 7)])
+    wire, back = send(copies)
+    assert not wire.repeats_last_step
+    assert back.kv_swap_out == [(5, 0), (9, 3)] and back.kv_swap_in == [(2, 7)]
+    assert back.num_scheduled_tokens == {"a": 1}
