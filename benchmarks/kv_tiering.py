@@ -54,12 +54,14 @@ class ForwardCounter:
 
     def __init__(self, scheduler) -> None:
         self.tokens = 0
+        self.steps = 0
         self._schedule = scheduler.schedule
         scheduler.schedule = self
 
     def __call__(self):
         so = self._schedule()
         self.tokens += so.total_num_scheduled_tokens
+        self.steps += not so.is_empty
         return so
 
 
@@ -84,13 +86,16 @@ def pressure(args, model: str) -> dict:
         for name, host in (("recompute", 0), ("swap", 2 * demand_blocks)):
             llm = make_llm(args, model, device_blocks, host)
             counter = ForwardCounter(llm.engine.scheduler)
+            timings = llm.executor.worker.model_runner.timings
             t0 = time.perf_counter()
             results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             elapsed[name].append(time.perf_counter() - t0)
+            forward_s = timings["forward"]
             stats = llm.engine.scheduler.make_stats()
             llm.shutdown()
             tokens[name] = [r.token_ids for r in results]
             out[name] = {"forward_tokens": counter.tokens, "e2e_s": round(min(elapsed[name]), 3),
+                         "steps": counter.steps, "forward_s_last": round(forward_s, 3),
                          "preemptions": stats.num_preemptions,
                          "recomputed_tokens": stats.num_recomputed_tokens,
                          "swap_out_blocks": stats.kv_swap_out_blocks,

@@ -12,7 +12,7 @@ from tokenbudget.server.metrics import EngineMetrics
 
 
 @dataclass
-class Stats:  # the fields of async_engine.EngineStats the line reads
+class Stats:  # the fields of async_engine.EngineStats the line and the gauges read
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -29,6 +29,12 @@ class Stats:  # the fields of async_engine.EngineStats the line reads
     spec_num_accepted_tokens: int = 0
     spec_mean_accepted_length: float = 0.0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    num_offload_blocks: int = 0
+    offload_blocks_used: int = 0
+    num_swapped_requests: int = 0
+    num_recomputed_tokens: int = 0
+    kv_swap_out_blocks: int = 0
+    kv_swap_in_blocks: int = 0
 
 
 @dataclass
@@ -117,3 +123,20 @@ def test_no_request_line_above_debug_level(metrics, caplog):
     caplog.set_level(logging.INFO, logger="tokenbudget.server.stats")
     metrics.observe_finished(Timing(10.0, 10.25, 11), 11.25)
     assert caplog.records == []
+
+
+def test_host_kv_tier_gauges_and_counters_follow_the_engine_stats(metrics):
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "tiny"}
+    metrics.observe_engine(Stats(num_offload_blocks=64, offload_blocks_used=10,
+                                 num_swapped_requests=2, num_recomputed_tokens=5,
+                                 kv_swap_out_blocks=12, kv_swap_in_blocks=3))
+    metrics.observe_engine(Stats(num_offload_blocks=64, offload_blocks_used=4,
+                                 num_recomputed_tokens=7, kv_swap_out_blocks=12,
+                                 kv_swap_in_blocks=9))
+    assert value("tokenbudget:kv_offload_blocks_used", labels) == 4
+    assert value("tokenbudget:kv_offload_blocks_free", labels) == 60
+    assert value("tokenbudget:num_requests_swapped", labels) == 0
+    assert value("tokenbudget:num_recomputed_tokens_total", labels) == 7
+    assert value("tokenbudget:kv_swap_out_blocks_total", labels) == 12
+    assert value("tokenbudget:kv_swap_in_blocks_total", labels) == 9

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenbudget.core import Request, SamplingParams
+from tokenbudget.core.kv.events import DEVICE, HOST, KVEventReplayer
 from tokenbudget.server import LLM
 
 
@@ -68,7 +69,9 @@ def test_a_host_hit_restores_exactly_the_evicted_kv(tiny_qwen3_path, hf_greedy):
     shared = rng.integers(10, 1000, size=65).tolist()   # 4 full blocks + 1
     other = rng.integers(10, 1000, size=170).tolist()
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=12, num_offload_blocks=32)
+    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=12, num_offload_blocks=32,
+                   enable_kv_cache_events=True)
+    events = llm.subscribe_kv_events()
     scheduler = llm.engine.scheduler
     device = scheduler.kv_cache_manager.block_pool.cached
     host = scheduler.kv_tiering.host.cached
@@ -91,3 +94,9 @@ def test_a_host_hit_restores_exactly_the_evicted_kv(tiny_qwen3_path, hf_greedy):
     roomy = make_llm(tiny_qwen3_path, num_gpu_blocks=64)
     assert roomy.generate(token_prompts([shared]), GREEDY_40)[0].token_ids == again.token_ids
     scheduler.kv_tiering.check_invariants()
+    replayer = KVEventReplayer()
+    while (batch := events.get(timeout=0)) is not None:
+        replayer.apply(batch)
+    assert replayer.tiers == {DEVICE: set(device), HOST: set(host)}
+    with pytest.raises(ValueError, match="enable_kv_cache_events"):
+        roomy.subscribe_kv_events()
