@@ -89,7 +89,9 @@ class KVTiering:
         if computed <= 0:
             return
         self._computed_before[rid] = computed
-        if self.host is not None:
+        # A request that must compute its whole prompt (prompt logprobs, MEAN
+        # or CLS pooling) recomputes it: a swap would skip those positions.
+        if self.host is not None and not req.skip_reading_prefix_cache:
             self._swap_out_request(req, blocks, computed)
 
     def _uncache_uncomputed(self, blocks, computed: int) -> None:

@@ -307,3 +307,20 @@ def test_a_lagging_subscriber_gets_a_snapshot_and_a_lost_batch_is_detected():
     lossy.get(timeout=0)  # lost
     with pytest.raises(KVEventGap, match="events were lost"):
         replayer.apply(lossy.get(timeout=0))
+
+
+def test_a_request_that_computes_its_whole_prompt_recomputes_instead_of_swapping():
+    """Prompt logprobs (and MEAN/CLS pooling) need every prompt position computed:
+    such a request is never swapped, so resuming recomputes it from position 0."""
+    s = make_scheduler(num_blocks=17, num_offload_blocks=200, budget=64)
+    rng = random.Random(7)
+    for i in range(8):
+        prompt = [rng.randint(1, 11) for _ in range(12)]
+        s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True,
+                                                              prompt_logprobs=0),
+                              eos_token_id=EOS, arrival_time=float(i)))
+    swapped_seen = []
+    run_workload(s, rng, 0, on_step=lambda s: swapped_seen.append(bool(s.kv_tiering.swapped)))
+    stats = s.make_stats()
+    assert stats.num_preemptions > 0 and stats.num_recomputed_tokens > 0
+    assert not any(swapped_seen)
