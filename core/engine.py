@@ -178,6 +178,8 @@ class EngineCore:
         self.scheduler = Scheduler(old.scheduler_config, old.cache_config,
                                    old.structured_output_manager,
                                    defer_grammar_bitmask=self._defer_masks)
+        # KV event subscribers stay; they see every block cleared.
+        self.scheduler.kv_tiering.take_over_events(old.kv_tiering)
 
     def reinitialize(self) -> None:
         """Reconnect the executor's workers and initialise them again with the

@@ -70,13 +70,27 @@ class KVTiering:
         self.num_swapped_out_blocks = 0   # copies device -> host (swaps and spills)
         self.num_swapped_in_blocks = 0    # copies host -> device
         self.num_host_hit_tokens = 0      # prefix tokens loaded from the host tier
+        self._wire()
+
+    def _wire(self) -> None:
         if self.host is not None or self.events is not None:
-            kv.block_pool.on_evict = self._on_device_evict
+            self.kv.block_pool.on_evict = self._on_device_evict
         if self.events is not None:
-            kv.events = self.events
+            self.kv.events = events = self.events
             if self.host is not None:
-                events = self.events
                 self.host.on_evict = lambda h: events.removed(h, HOST)
+
+    def take_over_events(self, old: KVTiering) -> None:
+        """Publish on ``old``'s publisher, so its subscribers stay (a fresh
+        scheduler after the workers came back). They see AllCleared: the
+        blocks the old scheduler knew went with the old workers' KV."""
+        if old.events is None or self.events is None:
+            return
+        self.events = old.events
+        self._wire()
+        self.events.flush()
+        self.events.cleared()
+        self.events.flush()
 
     # -- preemption ----------------------------------------------------------------
     def on_preempt(self, req: Request) -> None:

@@ -324,3 +324,18 @@ def test_a_request_that_computes_its_whole_prompt_recomputes_instead_of_swapping
     stats = s.make_stats()
     assert stats.num_preemptions > 0 and stats.num_recomputed_tokens > 0
     assert not any(swapped_seen)
+
+
+def test_a_fresh_scheduler_keeps_the_event_subscribers_and_tells_them_all_was_cleared():
+    rng = random.Random(9)
+    old = make_scheduler(num_blocks=27, num_offload_blocks=10, events=True, block_size=2)
+    sub = old.kv_tiering.events.subscribe()
+    replayer = KVEventReplayer()
+    run_workload(old, rng, 30)
+    new = make_scheduler(num_blocks=27, num_offload_blocks=10, events=True, block_size=2)
+    new.kv_tiering.take_over_events(old.kv_tiering)  # as EngineCore.discard_requests does
+    run_workload(new, rng, 30)
+    while (batch := sub.get(timeout=0)) is not None:
+        replayer.apply(batch)
+    assert replayer.tiers[DEVICE] == set(new.kv_cache_manager.block_pool.cached)
+    assert replayer.tiers[HOST] == set(new.kv_tiering.host.cached)
