@@ -100,3 +100,18 @@ def test_a_host_hit_restores_exactly_the_evicted_kv(tiny_qwen3_path, hf_greedy):
     assert replayer.tiers == {DEVICE: set(device), HOST: set(host)}
     with pytest.raises(ValueError, match="enable_kv_cache_events"):
         roomy.subscribe_kv_events()
+
+
+def test_swap_with_speculative_decoding_matches_transformers(tiny_qwen3_path, crowded):
+    """Draft positions computed before a preemption are not restored as if
+    verified: the resumed request recomputes only from its last known token."""
+    prompts, expected = crowded
+    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, num_offload_blocks=64,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    results = llm.generate(token_prompts(prompts), GREEDY_40)
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.spec_decoding.num_drafts > 0
+    assert stats.num_preemptions > 0 and stats.kv_swap_in_blocks > 0
+    assert stats.num_recomputed_tokens == 0
+    assert [r.token_ids for r in results] == expected
