@@ -154,6 +154,67 @@ def _run_to_completion(scheduler: Scheduler, model: FakeModel | None = None,
     return run
 
 
+def kv_id(tokens: list[int], position: int) -> int:
+    """The identity of the KV at ``position``: the token history up to it."""
+    return hash(tuple(tokens[:position + 1]))
+
+
+class KVOracle:
+    """Stands in for the worker's KV cache: each device block and host slot
+    holds, per offset, the ``kv_id`` written there. It runs the copies a
+    SchedulerOutput lists (swap-outs, then swap-ins, as the worker does) and
+    then the step: every position a request reads (before its scheduled ones)
+    must hold exactly its own KV, and the scheduled positions (drafts
+    included) are written. A wrong copy, a hit on a block whose KV was never
+    computed, or a block or slot reused while still needed is a wrong read.
+    Import it (``from .conftest import KVOracle``): hypothesis tests cannot
+    take function-scoped fixtures."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.num_reads = 0
+
+    def _block(self, store: dict, key: int) -> list:
+        return store.setdefault(key, [None] * self.bs)
+
+    def step(self, s: Scheduler, so: SchedulerOutput) -> None:
+        # Each slot / block is written at most once per step (the worker copies
+        # in one batch: a repeated target would be a race).
+        assert len({slot for _, slot in so.kv_swap_out}) == len(so.kv_swap_out)
+        assert len({block for _, block in so.kv_swap_in}) == len(so.kv_swap_in)
+        for block, slot in so.kv_swap_out:
+            self.host[slot] = list(self._block(self.device, block))
+        for slot, block in so.kv_swap_in:
+            self.device[block] = list(self.host[slot])
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.tables.pop(rid, None)
+        starts = {}
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = list(new.block_ids)
+            starts[new.req_id] = new.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for rid, ids, start in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            if rid in c.resumed_token_ids:
+                self.tables[rid] = list(ids)
+            else:
+                self.tables[rid].extend(ids)
+            starts[rid] = start
+        bs = self.bs
+        for rid, n in so.num_scheduled_tokens.items():
+            tokens = s.requests[rid].all_token_ids + so.scheduled_spec_decode_tokens.get(rid, [])
+            table = self.tables[rid]
+            for p in range(starts[rid]):
+                got = self._block(self.device, table[p // bs])[p % bs]
+                assert got == kv_id(tokens, p), \
+                    f"{rid} reads wrong KV at position {p} (block {table[p // bs]})"
+                self.num_reads += 1
+            for p in range(starts[rid], starts[rid] + n):
+                self._block(self.device, table[p // bs])[p % bs] = kv_id(tokens, p)
+
+
 @pytest.fixture
 def make_request():
     return _make_request

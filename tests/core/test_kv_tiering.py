@@ -1,13 +1,8 @@
 """The host KV tier at the scheduler: swap on preemption, spill and load of
 prefix blocks, and KV cache events, checked against a KV oracle.
 
-The oracle stands in for the worker's KV cache: each device block and host
-slot holds, per offset, the identity of the KV written there (the token
-history up to that position). It runs the copies each SchedulerOutput lists
-(swap-outs, then swap-ins) and then the step: every position a request reads
-(before its scheduled ones) must hold exactly its own KV, and the scheduled
-positions are written. A wrong copy, a hit on a block whose KV was never
-computed, or a slot reused while still needed shows up as a wrong read.
+The oracle (KVOracle in conftest.py) stands in for the worker's KV cache and
+fails on any read of KV that is not the request's own.
 """
 from __future__ import annotations
 
@@ -20,57 +15,9 @@ from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, RequestSt
 from tokenbudget.core.kv.events import (DEVICE, HOST, AllCleared, KVEventGap,
                                         KVEventReplayer)
 
+from .conftest import KVOracle
+
 EOS = 0
-
-
-def kv_id(tokens: list[int], position: int) -> int:
-    return hash(tuple(tokens[:position + 1]))
-
-
-class KVOracle:
-    def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.device: dict[int, list] = {}
-        self.host: dict[int, list] = {}
-        self.tables: dict[str, list[int]] = {}
-        self.num_reads = 0
-
-    def _block(self, store: dict, key: int) -> list:
-        return store.setdefault(key, [None] * self.bs)
-
-    def step(self, s: Scheduler, so: SchedulerOutput) -> None:
-        # Each slot / block is written at most once per step (the worker copies
-        # in one batch: a repeated target would be a race).
-        assert len({slot for _, slot in so.kv_swap_out}) == len(so.kv_swap_out)
-        assert len({block for _, block in so.kv_swap_in}) == len(so.kv_swap_in)
-        for block, slot in so.kv_swap_out:
-            self.host[slot] = list(self._block(self.device, block))
-        for slot, block in so.kv_swap_in:
-            self.device[block] = list(self.host[slot])
-        for rid in so.finished_req_ids | so.preempted_req_ids:
-            self.tables.pop(rid, None)
-        starts = {}
-        for new in so.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids)
-            starts[new.req_id] = new.num_computed_tokens
-        c = so.scheduled_cached_reqs
-        for rid, ids, start in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
-            if rid in c.resumed_token_ids:
-                self.tables[rid] = list(ids)
-            else:
-                self.tables[rid].extend(ids)
-            starts[rid] = start
-        bs = self.bs
-        for rid, n in so.num_scheduled_tokens.items():
-            tokens = s.requests[rid].all_token_ids
-            table = self.tables[rid]
-            for p in range(starts[rid]):
-                got = self._block(self.device, table[p // bs])[p % bs]
-                assert got == kv_id(tokens, p), \
-                    f"{rid} reads wrong KV at position {p} (block {table[p // bs]})"
-                self.num_reads += 1
-            for p in range(starts[rid], starts[rid] + n):
-                self._block(self.device, table[p // bs])[p % bs] = kv_id(tokens, p)
 
 
 def sample(s: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:

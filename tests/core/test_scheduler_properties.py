@@ -1,6 +1,8 @@
 """Property test: random configs and random interleavings of add / abort /
-step with random model outputs keep every scheduler invariant, and a run to
-completion leaves every block free and no request behind."""
+step with random model outputs keep every scheduler invariant, every request
+reads only its own KV (the KV oracle, through host-tier swaps and loads
+too), replaying the KV events rebuilds each tier's cached hashes, and a run to
+completion leaves every block and host slot free and no request behind."""
 from __future__ import annotations
 
 import random
@@ -11,6 +13,9 @@ from hypothesis import strategies as st
 from tokenbudget.core import (ModelRunnerOutput, MultiModalFeature, Request, RequestStatus,
                               SamplingParams, Scheduler, SchedulerConfig, CacheConfig,
                               SchedulerOutput)
+from tokenbudget.core.kv.events import DEVICE, HOST, KVEventReplayer
+
+from .conftest import KVOracle
 
 EOS = 0
 VOCAB = 12  # small, so random prompts share prefixes and hit the cache
@@ -39,7 +44,11 @@ def scheduler_configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         speculative_config={"method": "ngram", "num_speculative_tokens": spec} if spec else None,
     )
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        enable_prefix_caching=draw(st.booleans()))
+                        enable_prefix_caching=draw(st.booleans()),
+                        # The host tier: none, too small for most swaps, or roomy.
+                        num_offload_blocks=draw(st.sampled_from([None, None, 1, 4, 64])),
+                        kv_load_blocks_per_step=draw(st.sampled_from([1, 3, 256])),
+                        enable_kv_cache_events=draw(st.booleans()))
     return sched, cache
 
 
@@ -90,6 +99,7 @@ def random_model_output(s: Scheduler, so: SchedulerOutput, rng: random.Random
 def check_after_schedule(s: Scheduler, so: SchedulerOutput) -> None:
     cfg = s.scheduler_config
     s.kv_cache_manager.block_pool.check_invariants()
+    s.kv_tiering.check_invariants()
     counts = so.num_scheduled_tokens
     assert so.total_num_scheduled_tokens == sum(counts.values()) <= cfg.max_num_batched_tokens
     assert all(n > 0 for n in counts.values())
@@ -104,6 +114,7 @@ def check_after_schedule(s: Scheduler, so: SchedulerOutput) -> None:
     assert set(counts) <= running, "a scheduled request is not running"
     assert not so.preempted_req_ids & set(counts)
     assert so.preempted_req_ids <= waiting
+    assert set(s.kv_tiering.swapped) <= waiting, "a swapped request is not waiting"
     if so.preempted_req_ids:
         assert not so.scheduled_new_reqs and not so.scheduled_cached_reqs.resumed_token_ids
     assert not so.finished_req_ids & set(counts)
@@ -140,15 +151,31 @@ def test_random_workloads_keep_scheduler_invariants(data):
     rng = data.draw(st.randoms(use_true_random=False), label="model")
     streamed: dict[str, list[int]] = {}
     all_requests: dict[str, Request] = {}
+    oracle = KVOracle(cache_cfg.block_size)
+    events = s.kv_tiering.events
+    subscriber = events.subscribe(max_pending=1_000_000) if events is not None else None
+    replayer = KVEventReplayer()
+
+    def check_events() -> None:
+        if subscriber is None:
+            return
+        while (batch := subscriber.get(timeout=0)) is not None:
+            replayer.apply(batch)
+        assert replayer.tiers[DEVICE] == set(s.kv_cache_manager.block_pool.cached)
+        host = s.kv_tiering.host
+        assert replayer.tiers[HOST] == (set(host.cached) if host is not None else set())
 
     def run_step() -> None:
         so = s.schedule()
         check_after_schedule(s, so)
+        oracle.step(s, so)
+        check_events()
         if so.is_empty:
             return
         for out in s.update_from_output(so, random_model_output(s, so, rng)):
             streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
         s.kv_cache_manager.block_pool.check_invariants()
+        s.kv_tiering.check_invariants()
         check_encoder_cache(s)
 
     ops = data.draw(st.lists(st.sampled_from(["add", "add", "abort", "step", "step", "step"]),
@@ -171,6 +198,7 @@ def test_random_workloads_keep_scheduler_invariants(data):
             assert (s.finish_requests(rid, RequestStatus.FINISHED_ABORTED) == [rid]) == was_live
             assert rid not in s.requests
             s.kv_cache_manager.block_pool.check_invariants()
+            s.kv_tiering.check_invariants()
         else:
             run_step()
 
@@ -184,9 +212,17 @@ def test_random_workloads_keep_scheduler_invariants(data):
     event(f"preempted: {bool(stats.num_preemptions)}")
     event(f"prefix hits: {bool(stats.prefix_cache_hits)}")
     event(f"encoder runs: {bool(s.encoder_cache_manager.num_encoder_runs)}")
+    event(f"swapped out: {bool(stats.kv_swap_out_blocks)}")
+    event(f"loaded from the host: {bool(stats.kv_swap_in_blocks)}")
     pool = s.kv_cache_manager.block_pool
     pool.check_invariants()
     assert pool.get_num_free_blocks() == cache_cfg.num_blocks - 1
+    tiering = s.kv_tiering
+    tiering.check_invariants()
+    assert not tiering.swapped
+    if tiering.host is not None:
+        assert tiering.host.get_num_free() == tiering.host.num_slots, "host slots leaked"
+    check_events()
     assert not s.running and not s.waiting and not s.kv_cache_manager.req_to_blocks
     assert all(not refs for refs in s.encoder_cache_manager.cached.values())
     for rid, req in all_requests.items():
