@@ -33,12 +33,16 @@ def crowded(hf_greedy):
 GREEDY_40 = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+# Without prefix caching only the swap can spare the recompute (with it, blocks
+# freed at preemption may also come back as device or host prefix hits).
+@pytest.mark.parametrize("async_scheduling,caching", [(False, True), (False, False),
+                                                      (True, True)],
+                         ids=["sync", "sync-no-prefix-cache", "async"])
 def test_swapped_requests_recompute_nothing_and_match_transformers(tiny_qwen3_path, crowded,
-                                                                   async_scheduling):
+                                                                   async_scheduling, caching):
     prompts, expected = crowded
     llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, num_offload_blocks=64,
-                   async_scheduling=async_scheduling)
+                   async_scheduling=async_scheduling, enable_prefix_caching=caching)
     results = llm.generate(token_prompts(prompts), GREEDY_40)
     stats = llm.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0
