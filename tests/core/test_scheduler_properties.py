@@ -46,7 +46,7 @@ def scheduler_configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                         enable_prefix_caching=draw(st.booleans()),
                         # The host tier: none, too small for most swaps, or roomy.
-                        num_offload_blocks=draw(st.sampled_from([None, None, 1, 4, 64])),
+                        num_offload_blocks=draw(st.sampled_from([None, 1, 4, 64, 64])),
                         kv_load_blocks_per_step=draw(st.sampled_from([1, 3, 256])),
                         enable_kv_cache_events=draw(st.booleans()))
     return sched, cache
@@ -152,6 +152,7 @@ def test_random_workloads_keep_scheduler_invariants(data):
     streamed: dict[str, list[int]] = {}
     all_requests: dict[str, Request] = {}
     oracle = KVOracle(cache_cfg.block_size)
+    aborted_swapped = False
     events = s.kv_tiering.events
     subscriber = events.subscribe(max_pending=1_000_000) if events is not None else None
     replayer = KVEventReplayer()
@@ -193,7 +194,11 @@ def test_random_workloads_keep_scheduler_invariants(data):
                 raise AssertionError("an image larger than the encoder cache was accepted")
             s.add_request(req)
         elif op == "abort" and all_requests:
-            rid = data.draw(st.sampled_from(sorted(all_requests)), label="abort")
+            # Often a swapped request: its host slots must come back.
+            swapped = sorted(s.kv_tiering.swapped)
+            rid = data.draw(st.sampled_from(swapped if swapped and data.draw(st.booleans())
+                                            else sorted(all_requests)), label="abort")
+            aborted_swapped |= rid in s.kv_tiering.swapped
             was_live = rid in s.requests
             assert (s.finish_requests(rid, RequestStatus.FINISHED_ABORTED) == [rid]) == was_live
             assert rid not in s.requests
@@ -214,6 +219,7 @@ def test_random_workloads_keep_scheduler_invariants(data):
     event(f"encoder runs: {bool(s.encoder_cache_manager.num_encoder_runs)}")
     event(f"swapped out: {bool(stats.kv_swap_out_blocks)}")
     event(f"loaded from the host: {bool(stats.kv_swap_in_blocks)}")
+    event(f"aborted while swapped: {aborted_swapped}")
     pool = s.kv_cache_manager.block_pool
     pool.check_invariants()
     assert pool.get_num_free_blocks() == cache_cfg.num_blocks - 1
