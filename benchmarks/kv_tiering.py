@@ -15,7 +15,9 @@
   conversation's prefix was evicted; with it the prefix is loaded back.
   Prefix hit rate (tokens) and TTFT (mean, p50, p90) for both.
 
-Prints one JSON line per workload. Time is wall time of this machine.
+Prints one JSON line per workload. Time is wall time of this machine; on CPU
+``cpu_s`` (this process's CPU time) also counts, and is steadier than wall
+time on a shared machine.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def pressure(args, model: str) -> dict:
            "device_blocks": device_blocks - 1, "demand_blocks": demand_blocks,
            # A request's last sampled token is never fed back: prompt + output - 1.
            "useful_tokens": args.num_requests * (args.prompt_len + args.output_len - 1)}
-    tokens, elapsed = {}, {"recompute": [], "swap": []}
+    tokens, elapsed, cpu = {}, {"recompute": [], "swap": []}, {"recompute": [], "swap": []}
     # Alternate the two configurations and keep each one's best time: the
     # machine may be shared.
     for _ in range(args.repeat):
@@ -87,14 +89,16 @@ def pressure(args, model: str) -> dict:
             llm = make_llm(args, model, device_blocks, host)
             counter = ForwardCounter(llm.engine.scheduler)
             timings = llm.executor.worker.model_runner.timings
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             elapsed[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             forward_s = timings["forward"]
             stats = llm.engine.scheduler.make_stats()
             llm.shutdown()
             tokens[name] = [r.token_ids for r in results]
             out[name] = {"forward_tokens": counter.tokens, "e2e_s": round(min(elapsed[name]), 3),
+                         "cpu_s": round(min(cpu[name]), 3),
                          "steps": counter.steps, "forward_s_last": round(forward_s, 3),
                          "preemptions": stats.num_preemptions,
                          "recomputed_tokens": stats.num_recomputed_tokens,
@@ -104,6 +108,7 @@ def pressure(args, model: str) -> dict:
     out["forward_tokens_ratio"] = round(out["recompute"]["forward_tokens"]
                                         / out["swap"]["forward_tokens"], 3)
     out["e2e_speedup"] = round(out["recompute"]["e2e_s"] / out["swap"]["e2e_s"], 3)
+    out["cpu_speedup"] = round(out["recompute"]["cpu_s"] / out["swap"]["cpu_s"], 3)
     return out
 
 
