@@ -119,3 +119,19 @@ def test_swap_with_speculative_decoding_matches_transformers(tiny_qwen3_path, cr
     assert stats.num_preemptions > 0 and stats.kv_swap_in_blocks > 0
     assert stats.num_recomputed_tokens == 0
     assert [r.token_ids for r in results] == expected
+
+
+def test_tensor_parallel_ranks_each_swap_their_shard_of_the_kv(tiny_qwen3_path, crowded):
+    """Every rank runs the step's copies on its own KV heads: had one skipped
+    or misplaced them, its half of the attention would read other KV."""
+    prompts, expected = crowded
+    llm = make_llm(tiny_qwen3_path, tensor_parallel_size=2, num_gpu_blocks=20,
+                   num_offload_blocks=64, enable_prefix_caching=False)
+    try:
+        results = llm.generate(token_prompts(prompts), GREEDY_40)
+        stats = llm.engine.scheduler.make_stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0 and stats.kv_swap_in_blocks > 0
+    assert stats.num_recomputed_tokens == 0
+    assert [r.token_ids for r in results] == expected
