@@ -106,11 +106,14 @@ def test_a_host_hit_restores_exactly_the_evicted_kv(tiny_qwen3_path, hf_greedy):
         roomy.subscribe_kv_events()
 
 
-def test_swap_with_speculative_decoding_matches_transformers(tiny_qwen3_path, crowded):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_swap_with_speculative_decoding_matches_transformers(tiny_qwen3_path, crowded,
+                                                             async_scheduling):
     """Draft positions computed before a preemption are not restored as if
     verified: the resumed request recomputes only from its last known token."""
     prompts, expected = crowded
     llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, num_offload_blocks=64,
+                   async_scheduling=async_scheduling,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     results = llm.generate(token_prompts(prompts), GREEDY_40)
