@@ -42,13 +42,14 @@ def build_model(args) -> str:
                             head_dim=args.hidden_size // 8)
 
 
-def make_llm(args, model: str, num_gpu_blocks: int, num_offload_blocks: int):
+def make_llm(args, model: str, num_gpu_blocks: int, num_offload_blocks: int,
+             max_model_len: int):
     from tokenbudget.server import LLM
 
     return LLM(model, dtype=args.dtype, device=args.device, num_gpu_blocks=num_gpu_blocks,
                num_offload_blocks=num_offload_blocks or None, block_size=args.block_size,
                max_num_batched_tokens=args.max_num_batched_tokens,
-               async_scheduling=args.async_scheduling, max_model_len=4096)
+               async_scheduling=args.async_scheduling, max_model_len=max_model_len)
 
 
 class ForwardCounter:
@@ -86,7 +87,7 @@ def pressure(args, model: str) -> dict:
     # machine may be shared.
     for _ in range(args.repeat):
         for name, host in (("recompute", 0), ("swap", 2 * demand_blocks)):
-            llm = make_llm(args, model, device_blocks, host)
+            llm = make_llm(args, model, device_blocks, host, args.prompt_len + args.output_len)
             counter = ForwardCounter(llm.engine.scheduler)
             timings = llm.executor.worker.model_runner.timings
             t0, c0 = time.perf_counter(), time.process_time()
@@ -126,7 +127,7 @@ def chat(args, model: str) -> dict:
            "working_set_blocks": working_set, "device_blocks": device_blocks - 1}
     replies = {}
     for name, host in (("device_only", 0), ("host_tier", 2 * working_set)):
-        llm = make_llm(args, model, device_blocks, host)
+        llm = make_llm(args, model, device_blocks, host, final_len)
         engine = llm.engine
         histories = [[] for _ in range(args.conversations)]
         user_rng = np.random.default_rng(2)
