@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--worker-secret-file", default=None, metavar="PATH",
                    help="the shared secret of workers started with the same "
                    "--worker-secret-file; sent with every call to them")
+    g.add_argument("--worker-connect-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="at start, how long each --worker has to accept the connection "
+                   "before the server exits with an error (default %(default)s; loading "
+                   "the model after that has no limit). Reconnecting after a failure "
+                   "waits up to 10 s an attempt and retries")
     g.add_argument("--worker-step-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a worker that leaves a step unanswered this long is declared hung: "
                    "health turns NOT_SERVING, requests in flight fail, and the server "
@@ -399,6 +404,9 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty")
     if args.worker_step_timeout < 0:
         raise ValueError(f"--worker-step-timeout must be >= 0, got {args.worker_step_timeout}")
+    if not args.worker_connect_timeout > 0:
+        raise ValueError("--worker-connect-timeout must be > 0, got "
+                         f"{args.worker_connect_timeout}")
     if args.worker_secret_file is not None:
         if not args.worker:
             raise ValueError("--worker-secret-file needs --worker: it authenticates the "
@@ -479,6 +487,7 @@ def _make_executor(args: argparse.Namespace, model: str, async_scheduling: bool)
         return RemoteExecutor(args.worker, model, dtype=args.dtype, device=args.device or "",
                               attention_backend=args.attention_backend,
                               max_message_size=max(args.max_message_size, 256 << 20),
+                              connect_timeout=args.worker_connect_timeout,
                               step_timeout=getattr(args, "worker_step_timeout", 0.0),
                               secret=read_secret_file(secret) if secret else None)
     if args.tensor_parallel_size > 1:

@@ -78,6 +78,9 @@ class _Connection:
 
 
 class RemoteExecutor:
+    # The server flag that sets ``connect_timeout``, named when it runs out.
+    connect_timeout_flag = "--worker-connect-timeout"
+
     def __init__(self, addresses: list[str], model: str, *, dtype: str = "auto",
                  device: str = "", attention_backend: str = "auto",
                  max_message_size: int = 256 << 20, connect_timeout: float = 120.0,
@@ -125,7 +128,9 @@ class RemoteExecutor:
     def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
         # Kept as sent: reinitialize asks the workers for the same configuration.
         convert.configs_to_proto(cache_config, scheduler_config, self._init)
-        num_blocks = self._connect(self._connect_timeout)
+        flag = self.connect_timeout_flag
+        num_blocks = self._connect(self._connect_timeout, f"{flag}={self._connect_timeout:g} s"
+                                   if flag else f"{self._connect_timeout:g} s")
         if self.num_offload_blocks:
             cache_config.num_offload_blocks = self.num_offload_blocks  # the scheduler's host slots
         if self._step_timeout:
@@ -141,13 +146,15 @@ class RemoteExecutor:
         workers now have. Raises WorkerUnavailableError if one cannot be
         reached; the caller retries with backoff."""
         self._close_connections()
-        num_blocks = self._connect(connect_timeout)
+        num_blocks = self._connect(connect_timeout, f"{connect_timeout:g} s")
         with self._lock:
             self._error = None
         logger.info("workers %s are back (%d KV blocks)", ", ".join(self._addresses), num_blocks)
         return num_blocks
 
-    def _connect(self, connect_timeout: float) -> int:
+    def _connect(self, connect_timeout: float, timeout_setting: str) -> int:
+        """``timeout_setting``: ``connect_timeout`` as the user can change it,
+        for the error when a worker does not accept the connection in time."""
         conns = [_Connection(a, i, self._options) for i, a in enumerate(self._addresses)]
         with self._lock:
             if self._closed.is_set():
@@ -162,8 +169,11 @@ class RemoteExecutor:
                     reply = conn.stub.Initialize(self._init, metadata=self._metadata)
                     num_blocks.append(reply.num_blocks)
                     num_offload.append(reply.num_offload_blocks)
-                except (grpc.FutureTimeoutError, grpc.FutureCancelledError,
-                        grpc.RpcError) as exc:
+                except grpc.FutureTimeoutError:
+                    raise WorkerUnavailableError(
+                        f"worker {conn.address}: initialize failed (nothing accepted the "
+                        f"connection within {timeout_setting})") from None
+                except (grpc.FutureCancelledError, grpc.RpcError) as exc:
                     raise WorkerUnavailableError(
                         f"worker {conn.address}: initialize failed ({_describe(exc)})") from None
         except WorkerUnavailableError:

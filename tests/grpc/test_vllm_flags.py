@@ -80,6 +80,8 @@ REFUSED = [
     (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
      "--tls-key: cannot read /nonexistent/k.pem"),
     (["--max-concurrent-rpcs", "0"], "--max-concurrent-rpcs must be >= 1"),
+    (["--worker", "127.0.0.1:1", "--worker-connect-timeout", "0"],
+     "--worker-connect-timeout must be > 0, got 0.0"),
     (["--revision", "v1", "--worker", "127.0.0.1:1"], "--revision with --worker is not supported"),
     (["--pooler-config", '{"pooling_type": "max"}'],
      "pooler_config.pooling_type must be one of LAST, MEAN, CLS, got 'max'"),

@@ -88,6 +88,8 @@ class LocalRanks:
 class TensorParallelExecutor(RemoteExecutor):
     """The Executor protocol over a local tensor-parallel group."""
 
+    connect_timeout_flag = ""  # ranks this process starts: no flag sets the wait
+
     def __init__(self, model: str, tensor_parallel_size: int, *, dtype: str = "auto",
                  device: str = "", attention_backend: str = "auto", threads: int | None = None,
                  dist_timeout_s: float = 300.0, step_timeout: float = 0.0) -> None:
