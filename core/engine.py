@@ -23,6 +23,8 @@ succeeds, ``reinitialize``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections import deque
 from concurrent.futures import Future
@@ -61,6 +63,9 @@ class EngineCore:
         except ValueError:
             executor.shutdown()
             raise
+        # What max_model_len is while the cache holds it: a reconnect to a
+        # smaller cache lowers it, one to a larger cache restores it.
+        self._max_model_len = scheduler_config.max_model_len
         self.executor = executor
         self.async_scheduling = scheduler_config.async_scheduling
         self._defer_masks = self.async_scheduling and \
@@ -185,13 +190,29 @@ class EngineCore:
         """Reconnect the executor's workers and initialise them again with the
         same configuration (after discard_requests). A worker may now report
         another KV size (other free memory): the scheduler gets a pool of that
-        size. Raises ConnectionError while a worker cannot be reached."""
+        size, and max_model_len is lowered (with a warning) to what that pool
+        holds, or restored up to its start-up value when the pool allows.
+        Raises ConnectionError while a worker cannot be reached, or comes
+        back with a cache too small for any request."""
         num_blocks = self.executor.reinitialize()
         cache_config = self.scheduler.cache_config
         if num_blocks != cache_config.num_blocks:
+            scheduler_config = self.scheduler.scheduler_config
+            # Checked on copies: a refused pool leaves the old settings, so
+            # the next attempt compares against them again.
+            fitted = dataclasses.replace(scheduler_config, max_model_len=self._max_model_len)
+            try:
+                sized = dataclasses.replace(cache_config, num_blocks=num_blocks)
+                # Lowered even when max_model_len was given: refusing would
+                # stop serving every request, not just the longest ones.
+                fit_max_model_len(fitted, sized, "the reconnected workers' cache", given=False)
+            except ValueError as exc:  # not one token fits: wait for a better worker
+                raise ConnectionError(f"the workers came back with too small a KV cache: "
+                                      f"{exc}") from None
             logger.warning("the workers came back with %d KV blocks (had %d)", num_blocks,
                            cache_config.num_blocks)
             cache_config.num_blocks = num_blocks
+            scheduler_config.max_model_len = fitted.max_model_len
             self.discard_requests()
 
     def _drop_in_flight(self) -> None:

@@ -454,6 +454,10 @@ class AsyncEngine:
                     self._wakeup.wait_for(lambda: self._stopping, delay)
                 delay = min(delay * 2, 10.0)
                 continue
+            # A smaller cache may have lowered max_model_len: new requests' limits follow.
+            self.max_model_len = self.core.scheduler.scheduler_config.max_model_len
+            if self.input_processor is not None:
+                self.input_processor.max_model_len = self.max_model_len
             with self._lock:
                 if self._executor_failure is not None:  # failed again at once
                     continue

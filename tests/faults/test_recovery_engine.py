@@ -125,6 +125,64 @@ def test_engine_forgets_failed_requests_reconnects_with_backoff_and_serves_again
         engine.shutdown()
 
 
+def _lose_worker_and_wait_back(engine: AsyncEngine, executor: FlakyExecutor) -> None:
+    recovered = threading.Event()
+    engine.on_recovery(recovered.set)
+    executor.fail()
+    assert recovered.wait(10) and engine.healthy
+
+
+def test_a_worker_back_with_a_smaller_cache_lowers_max_model_len_and_a_larger_restores_it():
+    """max_model_len was given (512): at start-up a cache that cannot hold it is
+    refused, but once serving, refusing a smaller worker would turn away every
+    request. So max_model_len follows the cache down (19 blocks of 16: 304
+    tokens), a long request ends with "length" there instead of failing when
+    it outgrows the cache, and a later larger cache brings 512 back."""
+    executor = FlakyExecutor(64, 20, refusals=0)
+    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+                      CacheConfig(block_size=16), executor, max_model_len_given=True)
+    engine = AsyncEngine(core)
+    try:
+        _lose_worker_and_wait_back(engine, executor)
+        assert engine.max_model_len == core.scheduler.scheduler_config.max_model_len == 304
+        chunks = list(engine.add_request(_request("long", 10_000)))
+        assert chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 304 - 40
+        with pytest.raises(ValueError, match="305 tokens, more than max_model_len=304"):
+            engine.add_request(Request("too-long", list(range(305)), SamplingParams()))
+        core.scheduler.kv_cache_manager.block_pool.check_invariants()
+
+        executor.blocks_after = 64
+        _lose_worker_and_wait_back(engine, executor)
+        assert engine.max_model_len == core.scheduler.scheduler_config.max_model_len == 512
+        chunks = list(engine.add_request(_request("long-again", 10_000)))
+        assert chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 512 - 40
+    finally:
+        engine.shutdown()
+
+
+def test_a_worker_back_with_no_room_for_one_token_is_retried_not_served():
+    executor = FlakyExecutor(64, 1, refusals=0)  # block 0 is reserved: 1 block holds nothing
+    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+                      CacheConfig(block_size=16), executor)
+    engine = AsyncEngine(core)
+    recovered = threading.Event()
+    engine.on_recovery(recovered.set)
+    try:
+        executor.fail()
+        deadline = time.monotonic() + 10
+        while len(executor.reinitialize_calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(executor.reinitialize_calls) >= 2  # both connected, both refused
+        assert not recovered.is_set() and not engine.healthy
+        executor.blocks_after = 64
+        assert recovered.wait(10) and engine.healthy
+        assert core.scheduler.cache_config.num_blocks == 64 and engine.max_model_len == 512
+    finally:
+        engine.shutdown()
+
+
 def test_after_the_engine_dies_for_good_stats_show_no_request_and_every_block_free():
     """A bug (not a lost worker) ends the engine: the requests fail and GetStats
     no longer counts them as running."""
