@@ -33,6 +33,12 @@ class RequestFailedError(RuntimeError):
     """A request failed inside the engine; the others went on (gRPC INTERNAL)."""
 
 
+class UnsupportedRequestError(RuntimeError):
+    """The engine's workers cannot serve this kind of request, e.g. a pooling
+    request on a worker that only samples (gRPC UNIMPLEMENTED: retrying, or
+    sending it elsewhere in the same deployment, cannot help)."""
+
+
 class InvalidRequestError(ValueError):
     """A request's parameters made it fail inside the engine (gRPC INVALID_ARGUMENT)."""
 

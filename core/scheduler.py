@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.encoder_cache import EncoderCacheManager
-from tokenbudget.core.failures import (RequestFailure, WorkerReplyError, describe,
-                                       error_of)
+from tokenbudget.core.failures import (RequestFailure, UnsupportedRequestError,
+                                       WorkerReplyError, describe, error_of)
 from tokenbudget.core.kv import KVCacheManager
 from tokenbudget.core.kv.tiering import KVTiering
 from tokenbudget.core.policy import (REORDERING_POLICIES, AdmissionReserve, WaitingOrder,
@@ -770,8 +770,9 @@ class Scheduler:
                     req.stop_reason = "the worker does not support pooling requests"
                     outputs.append(RequestOutput(
                         rid, [], "abort", None, req.num_cached_tokens, req.stop_reason,
-                        RuntimeError(f"request {rid}: {req.stop_reason} (it returned a token, "
-                                     "not a vector); upgrade the worker")))
+                        UnsupportedRequestError(f"request {rid}: {req.stop_reason} (it "
+                                                "returned a token, not a vector); upgrade "
+                                                "the worker")))
                 continue
             plp = None
             if prompt_logprobs is not None and rid in prompt_logprobs:

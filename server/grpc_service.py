@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from tokenbudget.core.failures import RequestFailedError
+from tokenbudget.core.failures import RequestFailedError, UnsupportedRequestError
 from tokenbudget.core.gc_policy import refused_bytes
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
@@ -39,6 +39,8 @@ _STATUS_OF_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (GrammarTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # also after queueing: a failed grammar
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    # The workers cannot serve this kind of request at all (not a transient state).
+    (UnsupportedRequestError, grpc.StatusCode.UNIMPLEMENTED),
     # One request failed inside the engine; the others went on.
     (RequestFailedError, grpc.StatusCode.INTERNAL),
 )

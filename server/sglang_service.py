@@ -27,7 +27,7 @@ from importlib import metadata
 
 import grpc
 
-from tokenbudget.core.failures import RequestFailedError
+from tokenbudget.core.failures import RequestFailedError, UnsupportedRequestError
 from tokenbudget.core.gc_policy import refused_bytes
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.core.scheduler import DuplicateRequestError, QueueFullError
@@ -50,6 +50,7 @@ _HTTP_STATUS_OF_ERROR: tuple[tuple[type[BaseException], str], ...] = (
     (QueueFullError, "429"),
     (GrammarTimeoutError, "504"),
     (ValueError, "400"),
+    (UnsupportedRequestError, "501"),  # gRPC UNIMPLEMENTED's HTTP twin
     (RequestFailedError, "500"),  # it alone failed inside the engine
 )
 _IN_BAND_ERRORS = tuple(t for t, _ in _HTTP_STATUS_OF_ERROR)

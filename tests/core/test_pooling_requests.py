@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenbudget.core import ModelRunnerOutput, PoolingParams, Request, SamplingParams
+from tokenbudget.core.failures import UnsupportedRequestError
 
 
 def pooling_request(rid: str, prompt: list[int], kind: str = "MEAN") -> Request:
@@ -109,6 +110,7 @@ def test_a_worker_that_samples_instead_of_pooling_fails_the_request(make_schedul
     _, outs = step(s, fake_model())
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outs] == \
         [("emb", "abort", [])]
+    assert isinstance(outs[0].error, UnsupportedRequestError)  # gRPC UNIMPLEMENTED
     assert "does not support pooling" in str(outs[0].error)
     assert not s.requests and not s.running
     s.kv_cache_manager.block_pool.check_invariants()
