@@ -35,6 +35,16 @@ def load_pooler_config(model: str, override: dict | str | None = None, *,
     return config
 
 
+def is_embedding_checkpoint(model: str, *, revision: str | None = None) -> bool:
+    """Whether ``model`` is an embedding model by its checkpoint: its
+    sentence-transformers files name a Pooling module (Qwen3-Embedding and the
+    like, whose architecture is still ``*ForCausalLM``). vLLM's runner "auto"
+    serves such a checkpoint as a pooling model, and SGLang reports
+    ``is_generation=False`` for an embedding model; ``--pooler-config`` alone
+    does not make one (it only changes how embedding requests pool)."""
+    return "pooling_type" in _sentence_transformers_fields(model, revision)
+
+
 def _sentence_transformers_fields(model: str, revision: str | None) -> dict[str, Any]:
     modules = _read_json(model, "modules.json", revision)
     if not isinstance(modules, list):

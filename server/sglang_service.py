@@ -38,6 +38,7 @@ from tokenbudget.server.async_engine import AsyncEngine, Chunk, EngineDeadError,
 from tokenbudget.core.request import Request
 from tokenbudget.server.grpc_errors import add_servicer, public_message, refuse
 from tokenbudget.server.grpc_service import make_requests
+from tokenbudget.server.pooler_defaults import is_embedding_checkpoint
 from tokenbudget.server.request_builder import build_pooling_request
 
 logger = logging.getLogger(__name__)
@@ -505,7 +506,11 @@ def _token_capacity(engine: AsyncEngine) -> int:
 
 
 def _model_info(engine: AsyncEngine, served_model_name: str) -> pb.GetModelInfoResponse:
-    """From the checkpoint's config (the gateway reads its tokenizer itself)."""
+    """From the checkpoint's config (the gateway reads its tokenizer itself).
+    ``is_generation`` is False for an embedding checkpoint, as SGLang and vLLM
+    say; we still serve Generate for it. sglang-router 0.3.2 only copies the
+    field into the worker's labels: it routes /v1/chat/completions and
+    /v1/embeddings to a worker either way."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(engine.model_name)
@@ -513,7 +518,8 @@ def _model_info(engine: AsyncEngine, served_model_name: str) -> pb.GetModelInfoR
     tokenizer = engine.input_processor.tokenizer
     max_len = engine.max_model_len
     return pb.GetModelInfoResponse(
-        model_path=engine.model_name, tokenizer_path=engine.model_name, is_generation=True,
+        model_path=engine.model_name, tokenizer_path=engine.model_name,
+        is_generation=not is_embedding_checkpoint(engine.model_name),
         served_model_name=served_model_name, max_context_length=max_len,
         vocab_size=engine.input_processor.vocab_size,
         supports_vision=engine.is_vision_language, model_type=config.model_type or "",

@@ -162,3 +162,23 @@ def build_tiny_decoder(path: str | os.PathLike, architecture: str, *, seed: int 
 def build_tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, **overrides) -> str:
     """Save a random-init tiny Qwen3ForCausalLM (float32) and its tokenizer into ``path``."""
     return build_tiny_decoder(path, "qwen3", seed=seed, **overrides)
+
+
+def add_sentence_transformers_files(path: str | os.PathLike, mode: str, normalize: bool) -> None:
+    """Make the checkpoint in ``path`` a sentence-transformers embedding model:
+    ``modules.json`` naming a Pooling module (``mode``: "lasttoken", "mean" or
+    "cls") and, with ``normalize``, a Normalize module."""
+    folder = Path(path)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": mode == "cls",
+         "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
+         "pooling_mode_lasttoken": mode == "lasttoken"}))

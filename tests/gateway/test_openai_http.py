@@ -194,6 +194,9 @@ def test_model_info_and_loads_describe_the_replica(cluster, clients):
     ours = clients["r1"].model_info()
     assert info.model_path == info.tokenizer_path == cluster.model
     assert info.served_model_name == cluster.model and info.is_generation
+    # The gateway keeps it as a worker label (0.3.2 routes by nothing else in it).
+    workers = {w["url"]: w for w in cluster.gateway.get("/workers")[1]["workers"]}
+    assert workers[f"grpc://{cluster.r1.address}"]["metadata"]["is_generation"] == "true"
     assert info.max_context_length == ours.max_model_len and info.vocab_size == ours.vocab_size
     assert list(info.eos_token_ids) == list(ours.eos_token_ids)
     assert info.architectures == ["Qwen3ForCausalLM"] and info.model_type == "qwen3"

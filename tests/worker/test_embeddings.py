@@ -9,8 +9,6 @@ Also: pooling across prefill chunks, in the same steps as greedy generation
 after preemption, and the default pooling a checkpoint declares."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -20,6 +18,7 @@ from tokenbudget.core.pooling_params import POOLING_TYPES, PoolerConfig
 from tokenbudget.server import LLM
 from tokenbudget.server.pooler_defaults import load_pooler_config
 from tokenbudget.server.request_builder import build_pooling_request, build_requests
+from tokenbudget.worker.tiny_models import add_sentence_transformers_files
 
 ATOL = 1e-5
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -196,33 +195,18 @@ def test_preempted_embedding_recomputes_its_prompt(tiny_qwen3_path, prompts, hf_
 
 # -- the model's default pooling --------------------------------------------------------------
 
-def _sentence_transformers_files(folder, mode: str, normalize: bool) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_cls_token": mode == "cls",
-         "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
-         "pooling_mode_lasttoken": mode == "lasttoken"}))
-
-
 @pytest.mark.parametrize("mode,normalize,expected", [
     ("mean", False, PoolerConfig("MEAN", False)),
     ("cls", True, PoolerConfig("CLS", True)),
     ("lasttoken", True, PoolerConfig("LAST", True)),
 ])
 def test_sentence_transformers_files_choose_the_default(tmp_path, mode, normalize, expected):
-    _sentence_transformers_files(tmp_path, mode, normalize)
+    add_sentence_transformers_files(tmp_path, mode, normalize)
     assert load_pooler_config(str(tmp_path)) == expected
 
 
 def test_pooler_config_setting_overrides_the_checkpoint_field_by_field(tmp_path):
-    _sentence_transformers_files(tmp_path, "mean", False)
+    add_sentence_transformers_files(tmp_path, "mean", False)
     assert load_pooler_config(str(tmp_path), '{"normalize": true}') == PoolerConfig("MEAN", True)
     assert load_pooler_config(str(tmp_path), {"pooling_type": "cls"}) == \
         PoolerConfig("CLS", False)
@@ -234,7 +218,7 @@ def test_checkpoint_default_reaches_llm_embed(tiny_qwen3_path, tmp_path, prompts
 
     folder = tmp_path / "st"
     shutil.copytree(tiny_qwen3_path, folder)
-    _sentence_transformers_files(folder, "mean", False)
+    add_sentence_transformers_files(folder, "mean", False)
     llm = make_llm(str(folder))
     (default,) = llm.embed({"prompt_token_ids": prompts[3]})
     assert_close(default.embedding, hf_embed(prompts[3], "MEAN", False))
