@@ -10,6 +10,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from tokenbudget.core.slo_queue import SLOQueue
+
 if TYPE_CHECKING:
     from tokenbudget.core.request import Request
 
@@ -89,5 +91,9 @@ class PriorityQueue:
         return (e[3] for e in sorted(self._heap))
 
 
-def create_queue(policy: str, descending: bool = False) -> FCFSQueue | PriorityQueue:
-    return PriorityQueue(descending) if policy == "priority" else FCFSQueue()
+def create_queue(policy: str,
+                 descending: bool = False) -> FCFSQueue | PriorityQueue | SLOQueue:
+    if policy == "priority":
+        return PriorityQueue(descending)
+    # slo: kept in deadline order as requests come (core/slo_queue.py).
+    return SLOQueue() if policy == "slo" else FCFSQueue()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tokenbudget.core.config import SchedulerConfig
@@ -41,6 +42,7 @@ from tokenbudget.core.config import SchedulerConfig
 if TYPE_CHECKING:
     from tokenbudget.core.queue import FCFSQueue
     from tokenbudget.core.request import Request
+    from tokenbudget.core.slo_queue import SLOQueue
 
 
 class SLOOrder:
@@ -101,31 +103,21 @@ class SLOOrder:
         chunks.sort(key=lambda c: (c[0], c[1]))
         return decodes + [r for _, _, r in chunks]
 
-    def reorder(self, waiting: FCFSQueue, now: float, num_decoding: int) -> list[Request]:
+    def reorder(self, waiting: SLOQueue, now: float, num_decoding: int) -> list[Request]:
         """Order ``waiting`` for this step; return the late requests when they
         are to be refused (they are left out of the queue's order then)."""
         if not waiting:
             return []
-        aged: list[Request] = []
-        # (deadline, arrival, queue position, request) of the others, sorted
-        # plainly: ties stay in queue order, as in a stable sort by (deadline,
-        # arrival). This runs over the whole queue every step: each deadline
-        # is computed once, not again in the walk below.
-        rest: list[tuple[float, float, int, Request]] = []
-        bound = now - self.aging_s if self.aging_s > 0 else -math.inf
-        deadline = self.deadline
-        for i, r in enumerate(waiting):
-            arrival = r.arrival_time
-            if arrival <= bound:
-                aged.append(r)
-            else:
-                rest.append((deadline(r), arrival, i, r))
-        aged.sort(key=lambda r: r.arrival_time)
-        rest.sort()
         # Prefill tokens per step left over by the running requests' decodes.
         per_step = max(self.budget - num_decoding, 1)
+        return waiting.arrange(self, now, per_step)
+
+    def walk(self, rest: Iterable[tuple[float, float, int, Request]], ahead: int, now: float,
+             per_step: int) -> tuple[list[Request], list[Request]]:
+        """Split ``rest`` ((deadline, arrival, position, request) in that
+        order) into the requests that can still get their first token by
+        their deadline with ``ahead`` prompt tokens before them, and the late."""
         step_s = self.step_s
-        ahead = sum(r.num_tokens - r.num_computed_tokens for r in aged)
         on_time: list[Request] = []
         late: list[Request] = []
         for due, _, _, r in rest:
@@ -137,11 +129,27 @@ class SLOOrder:
             else:
                 on_time.append(r)
                 ahead += prefill
-        if self.reject_late:
-            waiting.reorder(aged + on_time)
-            return late
-        waiting.reorder(aged + on_time + late)
-        return []
+        return on_time, late
+
+    def order_all(self, waiting: list[Request], now: float,
+                  per_step: int) -> tuple[list[Request], list[Request], list[Request]]:
+        """The aged, on-time and late requests of ``waiting`` (in its current
+        order, which breaks ties), each in the order they are served."""
+        aged: list[Request] = []
+        rest: list[tuple[float, float, int, Request]] = []
+        bound = now - self.aging_s if self.aging_s > 0 else -math.inf
+        deadline = self.deadline
+        for i, r in enumerate(waiting):
+            arrival = r.arrival_time
+            if arrival <= bound:
+                aged.append(r)
+            else:
+                rest.append((deadline(r), arrival, i, r))
+        aged.sort(key=lambda r: r.arrival_time)
+        # Plainly sorted: ties stay in queue order, as in a stable sort by (deadline, arrival).
+        rest.sort()
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in aged)
+        return (aged, *self.walk(rest, ahead, now, per_step))
 
 
 class FairShare:
