@@ -8,7 +8,9 @@
   deadline is *late*: serving it adds no goodput, so it waits behind every
   request that can still make it, or is refused at once
   (``slo_reject_late``). Aging keeps that from starving anyone: a request
-  waiting longer than ``aging_bound_s`` goes first, in arrival order.
+  waiting longer than ``aging_bound_s`` goes first, in arrival order. The
+  queue (core/slo_queue.py) keeps itself in that order as requests come, so
+  a step walks only the requests still before their deadline.
   Running requests get the step's tokens decodes first (their next token is
   due within a TPOT), then prompt chunks by slack, least first: the time
   left to the TTFT deadline minus the steps the rest of the prompt needs. A
