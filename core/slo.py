@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -74,8 +75,10 @@ class SLOOrder:
 
     @staticmethod
     def deadline(req: Request) -> float:
-        """When the request's next token is due. A request that already has
-        output (it was preempted) is due now: it keeps its place at the head."""
+        """When the request's first token is due. A request that already has
+        output (it was preempted) has met its TTFT: it is never late, and goes
+        back ahead of every request still waiting for its first token (only
+        the aged go before it)."""
         if req.num_output_tokens:
             return -math.inf
         if req.ttft_ms is None:
@@ -150,8 +153,11 @@ class SLOOrder:
         aged.sort(key=lambda r: r.arrival_time)
         # Plainly sorted: ties stay in queue order, as in a stable sort by (deadline, arrival).
         rest.sort()
+        # Preempted with output (deadline -inf, sorted first): resumed, never late.
+        k = bisect_right(rest, (-math.inf, math.inf))
+        aged += [e[3] for e in rest[:k]]
         ahead = sum(r.num_tokens - r.num_computed_tokens for r in aged)
-        return (aged, *self.walk(rest, ahead, now, per_step))
+        return (aged, *self.walk(rest[k:], ahead, now, per_step))
 
 
 class FairShare:

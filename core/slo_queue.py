@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -206,12 +206,18 @@ class SLOQueue:
         else:
             aged = self._aged
             young = self._young
+            # Preempted with output (deadline -inf): resumed after the aged, never late.
+            j = bisect_right(young, (-math.inf, math.inf))
+            ahead = self._aged_tokens
+            if j:
+                resumed = [e[3] for e in itertools.islice(young, j)]
+                aged = aged + resumed
+                ahead += sum(r.num_tokens - r.num_computed_tokens for r in resumed)
             # Past their deadline: late in any walk, and first among the late.
-            k = bisect_left(young, (now,))
-            on_time, late = order.walk(itertools.islice(young, k, None),
-                                       self._aged_tokens, now, per_step)
-            if k:
-                late = [e[3] for e in itertools.islice(young, k)] + late
+            k = bisect_left(young, (now,), j)
+            on_time, late = order.walk(itertools.islice(young, k, None), ahead, now, per_step)
+            if k > j:
+                late = [e[3] for e in itertools.islice(young, j, k)] + late
         self._front = deque()
         self._tail = deque()
         self._clean = False

@@ -58,6 +58,42 @@ def test_slo_keeps_late_requests_queued_when_not_rejecting(make_scheduler, make_
     assert run.finish_reasons == {"late": "length"}
 
 
+@pytest.mark.parametrize("reject_late", [True, False])
+def test_slo_resumes_a_preempted_request_with_output_first_and_never_refuses_it(
+        make_scheduler, make_request, step, reject_late):
+    # Two 16-token prompts growing to 56 tokens in 6 blocks of 16: the later
+    # one is preempted with output. It met its TTFT already, so it must come
+    # back ahead of the request still waiting for its first token (not be
+    # refused as late mid-generation, nor wait behind on-time requests). When
+    # the first finishes, the victim and the newcomer do not both fit.
+    sched = make_scheduler(policy="slo", slo_reject_late=reject_late, slo_step_time_ms=1.0,
+                           num_blocks=7, max_num_seqs=2)
+    sched.clock = lambda: 0.0
+    for rid, arrival in (("a", 0.0), ("b", 0.0)):
+        req = make_request(rid, 16, max_tokens=40, arrival=arrival)
+        req.ttft_ms = 1000.0
+        sched.add_request(req)
+    finish, admitted_at, preempted = {}, {}, set()
+    for n in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        so, outs = step(sched)
+        preempted |= so.preempted_req_ids
+        for rid in [r.req_id for r in so.scheduled_new_reqs] + \
+                list(so.scheduled_cached_reqs.resumed_token_ids):
+            admitted_at.setdefault(rid, []).append(n)
+        finish.update((o.request_id, o.finish_reason) for o in outs if o.finish_reason)
+        if preempted and "c" not in sched.requests and "c" not in finish:
+            # A newcomer with time to spare arrives while the victim waits.
+            c = make_request("c", 48, max_tokens=4, arrival=0.0)
+            c.ttft_ms = 1000.0
+            sched.add_request(c)
+    assert preempted == {"b"}
+    assert finish == {"a": "length", "b": "length", "c": "length"}
+    assert admitted_at["b"][1] < admitted_at["c"][0], admitted_at
+    sched.kv_cache_manager.block_pool.check_invariants()
+
+
 def test_fair_share_interleaves_tenants_by_weighted_tokens(make_scheduler, make_request, step):
     sched = make_scheduler(fair_share=True, max_num_seqs=1, tenant_weights={"b": 2.0})
     for i in range(6):
