@@ -147,11 +147,16 @@ def _sglang_name(message: str) -> str:
     return message
 
 
-def _refuse_unsupported(request: pb.GenerateRequest) -> None:
+def _has_mm_inputs(request: pb.GenerateRequest | pb.EmbedRequest) -> bool:
+    """Whether the gateway sent any multimodal input (an empty message is none)."""
     mm = request.mm_inputs
-    if request.HasField("mm_inputs") and (mm.image_urls or mm.video_urls or mm.audio_urls or
-                                          mm.image_data or mm.video_data or mm.audio_data or
-                                          mm.HasField("processed_features")):
+    return request.HasField("mm_inputs") and bool(
+        mm.image_urls or mm.video_urls or mm.audio_urls or mm.image_data or mm.video_data
+        or mm.audio_data or mm.HasField("processed_features"))
+
+
+def _refuse_unsupported(request: pb.GenerateRequest) -> None:
+    if _has_mm_inputs(request):
         raise ValueError("mm_inputs: multimodal inputs are not supported through the gateway "
                          "protocol yet (use tokenbudget.v1.Generation)")
     if request.token_ids_logprob:
@@ -391,10 +396,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             cached_tokens=last.num_cached_tokens, embedding_dim=len(vector)))
 
     def _embed_request(self, request: pb.EmbedRequest, rid: str) -> Request:
-        mm = request.mm_inputs
-        if request.HasField("mm_inputs") and (mm.image_urls or mm.video_urls or mm.audio_urls or
-                                              mm.image_data or mm.video_data or mm.audio_data or
-                                              mm.HasField("processed_features")):
+        if _has_mm_inputs(request):
             raise ValueError("mm_inputs: multimodal inputs are not supported through the "
                              "gateway protocol yet")
         if request.is_cross_encoder:
