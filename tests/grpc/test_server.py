@@ -38,6 +38,13 @@ def _wait_all_blocks_free(client, timeout=5.0):
         time.sleep(0.05)
 
 
+def _wait_for_num_requests(client, n, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while (s := client.stats()).num_requests != n:
+        assert time.monotonic() < deadline, f"{s.num_requests} requests, expected {n}"
+        time.sleep(0.01)
+
+
 def test_health_is_serving_and_reflection_lists_the_public_services_only(cluster):
     with grpc.insecure_channel(cluster.local.address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
@@ -162,6 +169,9 @@ def test_another_client_cannot_abort_a_request_whose_id_it_does_not_know(cluster
     other_call = client.stub.Generate(make_request("another story", params))
     other_rid = next(other_call).request_id
     other_call.cancel()
+    # The cancel reaches the server asynchronously: until it has, other_rid is
+    # still live there and a stranger's abort of it would succeed.
+    _wait_for_num_requests(client, 1)
     assert uuid.UUID(hex=rid).version == 4 and len(rid) == 32 and rid != other_rid
     guesses = ["0", "1", "request-0", rid[:-1] + ("0" if rid[-1] != "0" else "1"), other_rid]
     with Client(cluster.local.address) as stranger:

@@ -109,31 +109,29 @@ class FitReport:
 
 
 def _nnls(a, b):
-    """Least squares with non-negative coefficients (few columns): solve,
-    pin the most negative coefficient to zero, repeat."""
-    import numpy as np
+    """Least squares with non-negative coefficients (Lawson-Hanson, scipy's)."""
+    from scipy.optimize import nnls
 
-    active = list(range(a.shape[1]))
-    x = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (sol >= 0).all():
-            x[:] = 0
-            x[active] = sol
-            return x
-        del active[int(np.argmin(sol))]
+    x, _ = nnls(a, b)
     return x
 
 
+# Bound assignments tried by fit: one per threshold between steps' ratios.
+_MAX_THRESHOLDS = 64
+
+
 def fit(model: ModelProfile, hardware: HardwareProfile,
-        steps: Sequence[tuple[Shape, float]], groups: Sequence[str] | None = None,
-        iterations: int = 20) -> FitReport:
+        steps: Sequence[tuple[Shape, float]], groups: Sequence[str] | None = None) -> FitReport:
     """Fit CostConstants to measured ``(shape, seconds)`` steps.
 
-    The max() makes the model piecewise linear: each step is assigned to its
-    bound (compute or memory) under the current constants, the linear
-    problem is solved on relative error (each of ``groups`` weighing the
-    same), and that repeats until the assignment settles."""
+    The max() makes the model piecewise linear: a step is compute bound when
+    its flops/bytes ratio is at or above ``inv_memory_eff / inv_compute_eff``,
+    so every possible assignment of steps to bounds is a threshold on that
+    ratio. Each threshold's linear problem is solved (non-negative least
+    squares on relative error, each of ``groups`` weighing the same) and the
+    constants whose max() model fits best win. Alternating between assigning
+    and solving instead gets stuck: from a wrong first assignment the solve
+    can zero the compute term, after which every step looks memory bound."""
     import numpy as np
 
     probe = CostModel(model, hardware, CostConstants(1.0, 1.0))
@@ -144,9 +142,6 @@ def fit(model: ModelProfile, hardware: HardwareProfile,
     toks = np.array([t.num_tokens for t in terms], dtype=float)
     prefills = np.array([t.num_prefills for t in terms], dtype=float)
     y = np.array([s for _, s in steps])
-    ones = np.ones_like(y)
-    # Coefficients: 1/compute_eff, 1/memory_eff, step, per request, per token,
-    # per prefill chunk.
     # Every shape group weighs the same, however many steps it has.
     w = np.ones_like(y)
     if groups is not None:
@@ -154,16 +149,25 @@ def fit(model: ModelProfile, hardware: HardwareProfile,
         for g in groups:
             counts[g] = counts.get(g, 0) + 1
         w = np.sqrt(np.array([1.0 / counts[g] for g in groups]))
-    compute_bound = flops >= nbytes
-    x = None
-    for _ in range(iterations):
-        a = np.stack([np.where(compute_bound, flops, 0.0), np.where(compute_bound, 0.0, nbytes),
-                      ones, reqs, toks, prefills], axis=1) * (w / y)[:, None]
-        x = _nnls(a, w)
-        new_bound = flops * x[0] >= nbytes * x[1]
-        if (new_bound == compute_bound).all():
-            break
-        compute_bound = new_bound
+    # Coefficients: 1/compute_eff, 1/memory_eff, step, per request, per token,
+    # per prefill chunk.
+    rest = np.stack([np.ones_like(y), reqs, toks, prefills], axis=1)
+    ratio = flops / nbytes
+    cuts = np.unique(ratio)
+    if len(cuts) > _MAX_THRESHOLDS:
+        cuts = np.unique(np.quantile(ratio, np.linspace(0, 1, _MAX_THRESHOLDS)))
+    best, x = float("inf"), np.zeros(6)
+    for cut in [*cuts, np.inf]:
+        compute_bound = ratio >= cut
+        a = np.concatenate([np.where(compute_bound, flops, 0.0)[:, None],
+                            np.where(compute_bound, 0.0, nbytes)[:, None], rest], axis=1)
+        sol = _nnls(a * (w / y)[:, None], w)
+        pred = np.maximum(flops * sol[0], nbytes * sol[1]) + rest @ sol[2:]
+        err = float(np.sum((w * (pred - y) / y) ** 2))
+        # Ties (within rounding) keep the earlier cut: the result does not
+        # hang on the last bits of a solve.
+        if err < best * (1 - 1e-9):
+            best, x = err, sol
     inv_c, inv_m = x[0], x[1]
     constants = CostConstants(
         compute_efficiency=1.0 / inv_c if inv_c > 0 else float("inf"),
