@@ -62,7 +62,7 @@ def _per_token_us(fn, ids: list[int], repeat: int) -> float:
 def _identical(tokenizer, slow, streams: int = 300) -> bool:
     """DecodeStream, the window path and a full decode give the same text on random ids
     (byte fragments, specials), fed one by one or in bursts."""
-    from tokenbudget.server.input_processor import IncrementalDetokenizer
+    from tokenbudget.server.engine.input_processor import IncrementalDetokenizer
 
     rng = random.Random(1)
     for _ in range(streams):
@@ -84,8 +84,8 @@ def _identical(tokenizer, slow, streams: int = 300) -> bool:
 
 def measure(tokenizer, name: str, num_tokens: int, repeat: int) -> dict:
     from tokenbudget.core import RequestOutput, SamplingParams
-    from tokenbudget.server.input_processor import IncrementalDetokenizer
-    from tokenbudget.server.output_processor import SampleState
+    from tokenbudget.server.engine.input_processor import IncrementalDetokenizer
+    from tokenbudget.server.engine.output_processor import SampleState
 
     ids = _token_stream(tokenizer, num_tokens)
 
@@ -124,7 +124,7 @@ def main() -> None:
                    help="also measure a byte-level BPE of this size (0: skip)")
     p.add_argument("--tokenizer-dir", default=str(Path(tempfile.gettempdir()) / "tb-bench"))
     args = p.parse_args()
-    from tokenbudget.worker.tiny_models import build_tokenizer
+    from tokenbudget.server.testing.tiny_models import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tokenizer(tmp)

@@ -97,7 +97,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from tokenbudget.worker.tiny_models import build_tiny_qwen3
+        from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
         args.model = build_tiny_qwen3(tempfile.mkdtemp(prefix="tiny_qwen3_"), seed=0)
     from transformers import AutoConfig

@@ -39,7 +39,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -330,7 +330,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.model is None:
-            from tokenbudget.worker.tiny_models import build_tiny_qwen3
+            from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
             args.model = build_tiny_qwen3(work / "model", seed=0)
         rows = []

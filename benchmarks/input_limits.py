@@ -28,7 +28,7 @@ def peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 if mode in ("image", "prompt"):
-    from tokenbudget.server.input_processor import InputProcessor
+    from tokenbudget.server.engine.input_processor import InputProcessor
     try:
         processor = InputProcessor.from_pretrained(path, max_model_len=8192)
     except TypeError:  # a tree from before the limits, for comparison
@@ -54,13 +54,13 @@ else:  # refusals: N refused 2 MB prompts through a grpc.aio server in this proc
     import asyncio, grpc, torch
     torch.set_num_threads(1)
     from tokenbudget.core.config import CacheConfig, SchedulerConfig
-    from tokenbudget.core.engine import EngineCore
-    from tokenbudget.core.gc_policy import configure_gc
+    from tokenbudget.server.engine.core import EngineCore
+    from tokenbudget.core.utils.gc_policy import configure_gc
     from tokenbudget.proto import generate_pb2
-    from tokenbudget.server.async_engine import AsyncEngine
-    from tokenbudget.server.grpc_service import add_generation_servicer
-    from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.server.engine.async_engine import AsyncEngine
+    from tokenbudget.server.entrypoints.grpc.generation import add_generation_servicer
+    from tokenbudget.server.engine.input_processor import InputProcessor
+    from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
     core = EngineCore(SchedulerConfig(max_model_len=256), CacheConfig(num_blocks=64),
                       InProcessExecutor(Worker(path), async_mode=True))
@@ -113,11 +113,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, vl_model = args.model, args.vl_model
         if model is None:
-            from tokenbudget.worker.tiny_models import build_tiny_qwen3
+            from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
             model = build_tiny_qwen3(f"{tmp}/text", seed=0)
         if vl_model is None:
-            from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+            from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
             vl_model = build_tiny_qwen2_5_vl(f"{tmp}/vl", seed=0)
         print(json.dumps({

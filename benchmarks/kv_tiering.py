@@ -33,7 +33,7 @@ import torch
 def build_model(args) -> str:
     if args.model:
         return args.model
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     path = tempfile.mkdtemp(prefix="kv_tiering_model_")
     return build_tiny_qwen3(path, seed=0, hidden_size=args.hidden_size,

@@ -143,7 +143,7 @@ def main() -> None:
     args.hf_dtype = args.hf_dtype or ("float32" if args.device == "cpu" else "bfloat16")
     tmp = None
     if args.model is None:
-        from tokenbudget.worker.tiny_models import build_tiny_qwen3
+        from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
         tmp = tempfile.TemporaryDirectory()
         args.model = build_tiny_qwen3(tmp.name)

@@ -94,7 +94,7 @@ def end_to_end(rows: int, args) -> dict:
     import tempfile
 
     from tokenbudget.server import LLM
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -63,7 +63,7 @@ def make_prompts(args, vocab: int) -> list[tuple[list[int], int]]:
 
 async def run_one(stub, prompt: list[int], max_tokens: int) -> RequestResult:
     from tokenbudget.core import SamplingParams
-    from tokenbudget.server.client import make_request
+    from tokenbudget.server.entrypoints.client import make_request
 
     r = RequestResult(len(prompt), start=time.perf_counter())
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -173,7 +173,7 @@ def plot(results: list[RequestResult], path: str) -> str:
 
 
 def cmd_load(args) -> None:
-    from tokenbudget.server.client import Client
+    from tokenbudget.server.entrypoints.client import Client
 
     with Client(args.target) as c:
         info = c.model_info()
@@ -213,7 +213,7 @@ def cmd_codec(args) -> None:
 
     from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
                                   Scheduler, SchedulerConfig)
-    from tokenbudget.core.gc_policy import configure_gc
+    from tokenbudget.core.utils.gc_policy import configure_gc
     from tokenbudget.proto import convert, worker_pb2
 
     rng = random.Random(0)
@@ -335,7 +335,7 @@ def _machine_busy_seconds() -> float:
 
 
 def cmd_async_compare(args) -> None:
-    from tokenbudget.server.demo import ensure_demo_model
+    from tokenbudget.server.entrypoints.demo import ensure_demo_model
 
     model = args.model or ensure_demo_model()
     bin_dir = Path(sys.executable).parent

@@ -19,7 +19,7 @@ import hashlib
 import json
 import time
 
-from tokenbudget.worker.simulator import (GPU_DEFAULT_CONSTANTS, get_hardware, get_model,
+from tokenbudget.server.sim import (GPU_DEFAULT_CONSTANTS, get_hardware, get_model,
                                           sharegpt_like, simulate)
 
 WALL_KEYS = ("wall_s", "sim_requests_per_wall_s")

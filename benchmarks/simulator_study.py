@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Capacity-planning study with the simulator (worker/simulator): policies x
+"""Capacity-planning study with the simulator (server/sim): policies x
 traces x replicas for Qwen3-8B on an H100-shaped profile, in simulated time.
 Prints one JSON line per run and, with --markdown PATH, writes the table.
 
@@ -15,10 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenbudget.worker.simulator import (GPU_DEFAULT_CONSTANTS, TraceRequest, get_hardware,
+from tokenbudget.server.sim import (GPU_DEFAULT_CONSTANTS, TraceRequest, get_hardware,
                                           get_model, merge, multi_turn_chat, poisson_arrivals,
                                           sharegpt_like, simulate)
-from tokenbudget.worker.simulator.calibrate import fit_recorded
+from tokenbudget.server.sim.calibrate import fit_recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {"fcfs": {}, "lpm": {"policy": "lpm"}, "slo": {"policy": "slo"},

@@ -51,7 +51,7 @@ CYCLE = 200
 def build_models(root: Path) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM
 
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     random_path = build_tiny_qwen3(root / "random", seed=0, **SHAPE)
     copy_path = build_tiny_qwen3(root / "copy", seed=1, **SHAPE)

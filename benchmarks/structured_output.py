@@ -155,7 +155,7 @@ def _request(rid: str, spec: dict, eos: int):
 
 def compile_times(tokenizer, vocab_size: int):
     from tokenbudget.core import SamplingParams
-    from tokenbudget.core.structured_output import StructuredOutputManager
+    from tokenbudget.core.structured.manager import StructuredOutputManager
 
     manager = StructuredOutputManager(tokenizer, vocab_size)
     _, info_s = _timed(manager._get_compiler)
@@ -187,7 +187,7 @@ def bitmask_times(tokenizer, vocab_size: int, rows_list: list[int], steps: int):
     import torch
     import xgrammar as xgr
 
-    from tokenbudget.core.structured_output import StructuredOutputManager
+    from tokenbudget.core.structured.manager import StructuredOutputManager
     from tokenbudget.worker.sampler import apply_token_bitmask
 
     sample_ids = tokenizer.encode(SAMPLE_JSON)
@@ -256,7 +256,7 @@ def main() -> None:
     if "throughput" not in skip:
         model = args.model
         if model is None:
-            from tokenbudget.worker.tiny_models import build_tiny_qwen3
+            from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
             model = build_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny_qwen3")
         report["model"] = args.model or "tiny random Qwen3 (vocab 1216)"
@@ -267,7 +267,7 @@ def main() -> None:
     if skip >= {"compile", "bitmask"}:
         print(json.dumps(report, indent=1))
         return
-    from tokenbudget.worker.tiny_models import padded_vocab_size
+    from tokenbudget.server.testing.tiny_models import padded_vocab_size
 
     tok, train_s = _timed(big_tokenizer, Path(args.tokenizer_dir), args.vocab_size)
     vocab = padded_vocab_size(len(tok))

@@ -39,7 +39,7 @@ MODEL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
 def build_model(path: str) -> str:
     import transformers
 
-    from tokenbudget.worker.tiny_models import build_tokenizer
+    from tokenbudget.server.testing.tiny_models import build_tokenizer
 
     build_tokenizer(path)
     config = transformers.Qwen3Config(**MODEL, tie_word_embeddings=False, bos_token_id=None,
@@ -64,7 +64,7 @@ def run_steps(rank: int, world_size: int, threads: int, path: str, args, port: i
               results) -> None:
     """One rank (or the single TP=1 process): the real step loop, timed."""
     from tokenbudget.core.config import CacheConfig, SchedulerConfig
-    from tokenbudget.core.scheduler import Scheduler
+    from tokenbudget.core.sched.scheduler import Scheduler
     from tokenbudget.worker.worker import Worker
 
     torch.set_num_threads(threads)

@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -116,7 +116,7 @@ def main() -> None:
     args = p.parse_args()
     model = args.model
     if model is None:
-        from tokenbudget.worker.tiny_models import build_tiny_qwen3
+        from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
         model = build_tiny_qwen3(tempfile.mkdtemp(prefix="tiny_qwen3_"), seed=0)
     port = _free_port()

@@ -1,18 +1,17 @@
 """tokenbudget.core: the scheduler, in pure Python (no torch)."""
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.encoder_cache import EncoderCacheManager
-from tokenbudget.core.engine import EngineCore, Executor
+from tokenbudget.core.sched.encoder_cache import EncoderCacheManager
 from tokenbudget.core.kv import BlockPool, KVCacheBlock, KVCacheManager
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       PromptLogprobs, RequestOutput, SchedulerOutput)
 from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
 from tokenbudget.core.request import MultiModalFeature, Request, RequestStatus
 from tokenbudget.core.sampling_params import SamplingParams, StructuredOutputParams
-from tokenbudget.core.scheduler import DuplicateRequestError, Scheduler, SchedulerStats
+from tokenbudget.core.sched.scheduler import DuplicateRequestError, Scheduler, SchedulerStats
 
 __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "DuplicateRequestError",
-    "EncoderCacheManager", "EngineCore", "Executor", "KVCacheBlock", "KVCacheManager",
+    "EncoderCacheManager", "KVCacheBlock", "KVCacheManager",
     "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "PoolerConfig", "PoolingParams", "PromptLogprobs", "Request",
     "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "StructuredOutputParams",

@@ -34,7 +34,7 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | None = None
     # Async (overlap) scheduling: one output placeholder per running request.
     async_scheduling: bool = False
-    # -- SGLang-style policies (core/policy.py) --
+    # -- SGLang-style policies (core/policy/cache_aware.py) --
     # priority: by default lower values run first; True flips that.
     priority_descending: bool = False
     # lpm falls back to FCFS when more requests than this wait.
@@ -68,7 +68,7 @@ class SchedulerConfig:
     # Waiting requests beyond this are rejected (or, with priority, the worst
     # queued one is evicted for a strictly better newcomer). 0: unlimited.
     max_queued_requests: int = 0
-    # -- SLO-aware and fair-share scheduling (core/slo.py) --
+    # -- SLO-aware and fair-share scheduling (core/policy/slo.py) --
     # policy=slo: a waiting request that cannot reach its first token by its
     # TTFT deadline is refused (finished "abort") instead of queued behind the
     # ones that can. False: it only waits behind them (until aging_bound_s).

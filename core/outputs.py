@@ -68,7 +68,7 @@ class SchedulerOutput:
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     # Packed int32 bitmask rows (numpy array) for the structured requests in
     # ``structured_req_ids`` order, or None; a Future of them for in-process
-    # executors that opt in with ``defers_grammar_bitmask`` (core/engine.py).
+    # executors that opt in with ``defers_grammar_bitmask`` (server/engine/core.py).
     grammar_bitmask: Any = None
     structured_req_ids: list[str] = field(default_factory=list)
     # Async scheduling: the requests that must sample a token this step

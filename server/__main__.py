@@ -1,4 +1,4 @@
-"""``python -m tokenbudget.server``: the ``server`` command (see server/cli.py)."""
-from tokenbudget.server.cli import main
+"""``python -m tokenbudget.server``: the ``server`` command (see server/entrypoints/cli.py)."""
+from tokenbudget.server.entrypoints.cli import main
 
 main()

@@ -23,8 +23,8 @@ def _serving(engine):
 
     import grpc
 
-    from tokenbudget.server.client import Client
-    from tokenbudget.server.grpc_service import add_generation_servicer
+    from tokenbudget.server.entrypoints.client import Client
+    from tokenbudget.server.entrypoints.grpc.generation import add_generation_servicer
 
     server = grpc.server(futures.ThreadPoolExecutor(8))
     add_generation_servicer(server, engine)
@@ -42,7 +42,7 @@ def _serving(engine):
 @pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory) -> str:
     """The tiny random Qwen3 checkpoint (with its trained tokenizer), built once."""
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
 

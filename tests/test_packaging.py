@@ -44,7 +44,7 @@ def test_wheel_ships_every_module_proto_stub_and_py_typed_marker(tmp_path):
             "tokenbudget/proto/worker_pb2.pyi"} <= expected
     assert {f"{p}/py.typed" for p in PACKAGES.values()} <= expected
     assert sorted(expected - names) == []
-    assert "server = tokenbudget.server.cli:main" in entry_points
+    assert "server = tokenbudget.server.entrypoints.cli:main" in entry_points
 
 
 def test_protos_compile_with_the_protoc_command_docs_protos_md_gives(tmp_path):

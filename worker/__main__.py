@@ -17,7 +17,7 @@ import signal
 import sys
 from importlib import metadata
 
-from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD
+from tokenbudget.core.utils.gc_policy import DEFAULT_GEN0_THRESHOLD
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _secret(args: argparse.Namespace) -> str | None:
     """The shared secret, or None where serving without one is allowed; exits otherwise."""
-    from tokenbudget.worker.auth import is_loopback, read_secret_file
+    from tokenbudget.proto.rpc.auth import is_loopback, read_secret_file
 
     if args.worker_secret_file is not None:
         try:

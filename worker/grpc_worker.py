@@ -1,7 +1,7 @@
 """Serve one Worker over gRPC (service tokenbudget.v1.Worker).
 
 The model is loaded on Initialize (the server sends model path and configs);
-then the process's collector policy is applied (core/gc_policy.py: freeze
+then the process's collector policy is applied (core/utils/gc_policy.py: freeze
 the loaded heap, raise generation 0's threshold), as the server does after
 its start-up, so collections stay out of the steps. ExecuteModel decodes
 incoming steps on a reader thread, so decoding step N+1 overlaps the forward
@@ -28,9 +28,9 @@ from typing import Any
 import grpc
 
 from tokenbudget.core.failures import describe
-from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.core.utils.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
-from tokenbudget.worker.auth import WorkerSecretInterceptor
+from tokenbudget.proto.rpc.auth import WorkerSecretInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
           stop_event: threading.Event | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start a worker server; returns (server, bound port, stop event).
     ``gc_threshold`` is generation 0's collector threshold once a model is
-    loaded; with a ``secret`` every call must present it (worker/auth.py)."""
+    loaded; with a ``secret`` every call must present it (proto/rpc/auth.py)."""
     if gc_threshold < 1:
         raise ValueError(f"gc_threshold must be >= 1, got {gc_threshold}")
     stop = stop_event or threading.Event()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tokenbudget.worker.attention import PAGED_ATTENTION, register_paged_attention
-from tokenbudget.worker.model_source import load_config, load_or_explain
+from tokenbudget.core.utils.model_source import load_config, load_or_explain
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SchedulerConfig,
-                              SchedulerOutput)
+from tokenbudget.core import CacheConfig, ModelRunnerOutput, SchedulerConfig, SchedulerOutput
+from tokenbudget.server.engine.core import EngineCore
 
 VOCAB = 50
 EOS = 3

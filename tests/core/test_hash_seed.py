@@ -48,8 +48,8 @@ def test_sha256_is_unseeded_and_unchanged():
 
 
 def test_xxhash_without_the_package_is_refused_when_the_arguments_are_checked(monkeypatch):
-    from tokenbudget.server.engine_args import EngineArgs
-    from tokenbudget.server.llm import LLM
+    from tokenbudget.server.engine.args import EngineArgs
+    from tokenbudget.server.entrypoints.llm import LLM
 
     monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash raises ImportError
     with pytest.raises(ValueError, match=r"pip install 'tokenbudget\[fast-hash\]'"):

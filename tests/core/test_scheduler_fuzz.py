@@ -39,9 +39,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, Request,
-                              SamplingParams, SchedulerConfig, SchedulerOutput)
-from tokenbudget.core.structured_output import StructuredOutputManager
+from tokenbudget.core import CacheConfig, ModelRunnerOutput, Request, SamplingParams, SchedulerConfig, SchedulerOutput
+from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.core.structured.manager import StructuredOutputManager
 
 EXAMPLES = int(os.environ.get("TOKENBUDGET_FUZZ_EXAMPLES", "60"))
 STEPS = int(os.environ.get("TOKENBUDGET_FUZZ_STEPS", "50"))

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from tokenbudget.core import Request, SamplingParams, SchedulerConfig
-from tokenbudget.core.queue import FCFSQueue
+from tokenbudget.core.policy.queues import FCFSQueue
 from tokenbudget.core.request import RequestStatus
-from tokenbudget.core.slo import SLOOrder
-from tokenbudget.core.slo_queue import SLOQueue
+from tokenbudget.core.policy.slo import SLOOrder
+from tokenbudget.core.policy.slo_queue import SLOQueue
 
 
 def _reference_arrange(order: SLOOrder, ref: FCFSQueue, now: float,

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 
 def _grpc_conftest():

@@ -93,7 +93,7 @@ def _start(model: str, *flags: str) -> _Server:
 
 @pytest.fixture(scope="module")
 def servers(tiny_qwen3_path, tmp_path_factory) -> dict[str, _Server]:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
     text = _start(tiny_qwen3_path, "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "64",
                   "--max-num-batched-tokens", "64", "--max-logprobs", str(MAX_LOGPROBS),

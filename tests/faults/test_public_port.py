@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tokenbudget.proto import generate_pb2, generate_pb2_grpc
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 from .conftest import (API_KEY, MAX_QUEUED, MAX_RPCS, MAX_SEQS, assert_idle, health,
                        wait_idle)
@@ -30,10 +30,10 @@ AT_ONCE = 2.0
 
 
 def test_server_metrics_and_worker_listen_on_loopback_unless_told_otherwise():
-    from tokenbudget.server.cli import build_parser
+    from tokenbudget.server.entrypoints.cli import build_parser
     from tokenbudget.worker.__main__ import build_parser as worker_parser
 
-    # The metrics port binds --host too (server/cli.py main).
+    # The metrics port binds --host too (server/entrypoints/cli.py main).
     assert build_parser().parse_args([]).host == "127.0.0.1"
     assert build_parser().parse_args(["--host", "0.0.0.0"]).host == "0.0.0.0"
     assert worker_parser().parse_args([]).host == "127.0.0.1"
@@ -77,7 +77,7 @@ def _open_streams(c: Client, count: int, **sampling) -> list:
 
 def _request(prompt: str, **sampling) -> generate_pb2.GenerateRequest:
     from tokenbudget.core import SamplingParams
-    from tokenbudget.server.client import make_request
+    from tokenbudget.server.entrypoints.client import make_request
 
     return make_request(prompt, SamplingParams(**sampling))
 

@@ -12,10 +12,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SamplingParams,
-                              SchedulerConfig)
+from tokenbudget.core import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.core.request import Request
-from tokenbudget.server.async_engine import AsyncEngine, EngineDeadError
+from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
 
 
 class FlakyExecutor:

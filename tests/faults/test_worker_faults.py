@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from tokenbudget.core import CacheConfig, SchedulerConfig
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 from .conftest import (BIN, PROBE, PROBE_TOKENS, STEP_TIMEOUT, assert_idle, health,
                        listening_addresses, spawn, spawn_worker, wait_health, wait_idle)

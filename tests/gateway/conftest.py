@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 240.0
@@ -173,7 +173,7 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
 

@@ -11,8 +11,8 @@ import pytest
 
 from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
-from tokenbudget.server.client import Client
-from tokenbudget.worker.tiny_models import add_sentence_transformers_files
+from tokenbudget.server.entrypoints.client import Client
+from tokenbudget.server.testing.tiny_models import add_sentence_transformers_files
 
 from .conftest import start_gateway, start_server
 

@@ -12,12 +12,12 @@ import pytest
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 
 def test_health_is_starting_until_ready_then_serving_then_draining(tiny_model):
-    from tokenbudget.server.cli import build_engine, build_parser
-    from tokenbudget.server.sglang_service import add_sglang_scheduler_servicer
+    from tokenbudget.server.entrypoints.cli import build_engine, build_parser
+    from tokenbudget.server.entrypoints.grpc.sglang import add_sglang_scheduler_servicer
 
     args = build_parser().parse_args(["--model", tiny_model, "--port", "0",
                                       "--num-gpu-blocks", "64"])

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 BLOCK = 16
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 240.0
@@ -139,7 +139,7 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
 
@@ -184,7 +184,7 @@ def oracle(tiny_model):
     """The in-process LLM with the servers' scheduling settings (sync loop)."""
     import torch
 
-    from tokenbudget.server.llm import LLM
+    from tokenbudget.server.entrypoints.llm import LLM
 
     torch.set_num_threads(1)
     llm = LLM(tiny_model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_gpu_blocks=512,
@@ -195,7 +195,7 @@ def oracle(tiny_model):
 
 @pytest.fixture(scope="session")
 def tiny_vl_model(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), seed=0)
 

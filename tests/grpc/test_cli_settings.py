@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tokenbudget.server.cli import main
+from tokenbudget.server.entrypoints.cli import main
 
 
 @pytest.fixture

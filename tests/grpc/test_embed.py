@@ -14,7 +14,7 @@ import torch
 from tokenbudget.proto import generate_pb2, generate_pb2_grpc
 from tokenbudget.proto import sglang_scheduler_pb2 as sgl
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as sgl_grpc
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 from .conftest import MAX_NUM_BATCHED_TOKENS
 

@@ -16,12 +16,12 @@ import shutil
 import grpc
 import pytest
 
-from tokenbudget.core import (CacheConfig, EngineCore, PoolerConfig, SamplingParams,
-                              SchedulerConfig)
+from tokenbudget.core import CacheConfig, PoolerConfig, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.proto import sglang_scheduler_pb2 as sgl
-from tokenbudget.server.async_engine import AsyncEngine
-from tokenbudget.server.sglang_service import SglangSchedulerServicer
-from tokenbudget.worker.tiny_models import add_sentence_transformers_files
+from tokenbudget.server.engine.async_engine import AsyncEngine
+from tokenbudget.server.entrypoints.grpc.sglang import SglangSchedulerServicer
+from tokenbudget.server.testing.tiny_models import add_sentence_transformers_files
 
 from .test_embedded_service import FAKE_TOKEN, FakeExecutor
 
@@ -29,7 +29,7 @@ REASON = "the worker does not support pooling requests"
 
 
 def _engine(model: str, pooler_config: PoolerConfig | None = None) -> AsyncEngine:
-    from tokenbudget.server.input_processor import InputProcessor
+    from tokenbudget.server.engine.input_processor import InputProcessor
 
     core = EngineCore(SchedulerConfig(max_num_batched_tokens=64, max_model_len=512),
                       CacheConfig(block_size=16), FakeExecutor())

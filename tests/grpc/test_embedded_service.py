@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SamplingParams,
-                              SchedulerConfig)
-from tokenbudget.server.async_engine import AsyncEngine
+from tokenbudget.core import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.server.engine.async_engine import AsyncEngine
 
 FAKE_TOKEN = 42
 
@@ -56,8 +56,8 @@ def _png(seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory, serving):
-    from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+    from tokenbudget.server.engine.input_processor import InputProcessor
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
     path = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl"))
     executor = FakeExecutor()

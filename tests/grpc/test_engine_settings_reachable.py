@@ -10,8 +10,8 @@ import pytest
 
 from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
-from tokenbudget.server import cli
-from tokenbudget.server.engine_args import EngineArgs
+from tokenbudget.server.entrypoints import cli
+from tokenbudget.server.engine.args import EngineArgs
 
 # Config field -> the engine argument that sets it, where the names differ
 # (vLLM's names: --num-gpu-blocks, --kv-cache-memory).

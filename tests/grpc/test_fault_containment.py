@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 FAULT_SEED = 2989  # faulty_worker.FAULT_SEED
 PROMPTS = [list(range(40 + 9 * i, 70 + 9 * i)) for i in range(3)]

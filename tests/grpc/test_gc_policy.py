@@ -1,4 +1,4 @@
-"""The collector policy of the engine and worker processes (core/gc_policy.py)."""
+"""The collector policy of the engine and worker processes (core/utils/gc_policy.py)."""
 from __future__ import annotations
 
 import gc
@@ -7,8 +7,8 @@ import weakref
 
 import pytest
 
-from tokenbudget.server.cli import main
-from tokenbudget.core.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
+from tokenbudget.server.entrypoints.cli import main
+from tokenbudget.core.utils.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 
 
 class _Node:

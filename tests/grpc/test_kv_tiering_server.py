@@ -21,7 +21,7 @@ from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventReplayer
 from tokenbudget.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbudget.proto import convert, worker_pb2
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
 GREEDY_40 = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,7 @@ import random
 import threading
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 NUM_CLIENTS = 64
 REQUESTS_PER_CLIENT = 20

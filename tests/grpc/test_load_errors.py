@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tokenbudget.server import LLM
-from tokenbudget.worker.model_source import ModelLoadError
+from tokenbudget.core.utils.model_source import ModelLoadError
 
 from .conftest import BIN
 

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
-from tokenbudget.server.cli import build_parser
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.cli import build_parser
+from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 240.0
@@ -256,7 +256,7 @@ def test_the_server_wrote_its_trace_at_exit_lengths_and_hashes_without_text(ops)
     with lengths but no text and no token ids; the simulator can load it."""
     from transformers import AutoTokenizer
 
-    from tokenbudget.worker.simulator.traces import load_trace
+    from tokenbudget.server.sim.traces import load_trace
 
     assert ops.server.proc.poll() is not None, "runs after the SIGTERM test"
     trace, block_size = load_trace(ops.trace_path)
@@ -271,7 +271,7 @@ def test_the_server_wrote_its_trace_at_exit_lengths_and_hashes_without_text(ops)
 def test_configure_gc_leaves_no_leaked_lines_at_interpreter_exit():
     pytest.importorskip("triton")
     # Frozen at start-up, triton's objects would outlive their module.
-    code = ("import triton\nfrom tokenbudget.core.gc_policy import configure_gc\n"
+    code = ("import triton\nfrom tokenbudget.core.utils.gc_policy import configure_gc\n"
             "configure_gc()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=EXIT_TIMEOUT, env=ENV)

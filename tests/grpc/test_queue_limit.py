@@ -9,9 +9,9 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
-from tokenbudget.core import (CacheConfig, EngineCore, ModelRunnerOutput, SamplingParams,
-                              SchedulerConfig)
-from tokenbudget.server.async_engine import AsyncEngine
+from tokenbudget.core import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.server.engine.async_engine import AsyncEngine
 
 
 class SlowExecutor:
@@ -45,8 +45,8 @@ class SlowExecutor:
 
 @pytest.fixture(params=["fcfs"])
 def slow_server(request, tmp_path, serving):
-    from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.engine.input_processor import InputProcessor
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     path = build_tiny_qwen3(tmp_path / "m")
     executor = SlowExecutor()

@@ -14,8 +14,8 @@ from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       SchedulerOutput)
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
-from tokenbudget.worker.auth import WorkerSecretInterceptor
-from tokenbudget.worker.remote_executor import RemoteExecutor, WorkerUnavailableError
+from tokenbudget.proto.rpc.auth import WorkerSecretInterceptor
+from tokenbudget.server.executor.remote import RemoteExecutor, WorkerUnavailableError
 
 REQS = ["a", "b"]
 # Every wait is bounded: a step that is never answered fails the test instead of hanging it.

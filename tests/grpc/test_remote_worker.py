@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -10,7 +10,7 @@ import pytest
 
 from tokenbudget.core import SamplingParams
 from tokenbudget.proto import common_pb2, generate_pb2
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 PROMPT = list(range(40, 90))  # 50 tokens: a chunked prefill at the servers' budget of 64
 

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tokenbudget.core import SamplingParams
 from tokenbudget.proto import common_pb2, generate_pb2
-from tokenbudget.server.client import Client, make_request
+from tokenbudget.server.entrypoints.client import Client, make_request
 
 from .conftest import listening_addresses
 
@@ -269,7 +269,7 @@ def test_metrics_gauges_rise_while_a_request_runs_and_drop_to_zero_when_idle(clu
 
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(cluster):
-    from tokenbudget.server.client import Client
+    from tokenbudget.server.entrypoints.client import Client
 
     spare = cluster.spare
     with Client(spare.address) as c:

@@ -7,8 +7,9 @@ import gc
 
 import pytest
 
-from tokenbudget.core import CacheConfig, EngineCore, SamplingParams, SchedulerConfig
-from tokenbudget.server.async_engine import AsyncEngine
+from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.server.engine.async_engine import AsyncEngine
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
@@ -33,9 +34,9 @@ def remote_worker():
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_remote_worker_drafts_and_stats_reach_getstats_and_prometheus(
         tiny_model, oracle, remote_worker, serving, overlap_recorder, async_scheduling):
-    from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.server.metrics import EngineMetrics
-    from tokenbudget.worker.remote_executor import RemoteExecutor
+    from tokenbudget.server.engine.input_processor import InputProcessor
+    from tokenbudget.server.engine.metrics import EngineMetrics
+    from tokenbudget.server.executor.remote import RemoteExecutor
 
     executor = overlap_recorder(RemoteExecutor([remote_worker], tiny_model, dtype="float32",
                                                device="cpu", attention_backend="sdpa"))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tokenbudget.server import cli
+from tokenbudget.server.entrypoints import cli
 
 from .conftest import BIN, free_port, spawn
 

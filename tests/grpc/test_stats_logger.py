@@ -1,5 +1,5 @@
 """The operator's log lines: the periodic stats line and one line per finished
-request (server/stats_logger.py, fed through EngineMetrics's hooks)."""
+request (server/engine/stats_logger.py, fed through EngineMetrics's hooks)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenbudget.server.metrics import EngineMetrics
+from tokenbudget.server.engine.metrics import EngineMetrics
 
 
 @dataclass

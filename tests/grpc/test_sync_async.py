@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from tokenbudget.core import CacheConfig, EngineCore, Request, SamplingParams, SchedulerConfig
+from tokenbudget.core import CacheConfig, Request, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
 
 # 12 usable blocks of 8 tokens for 6 requests of up to 40 + 24 tokens: the
 # running batch outgrows the cache and preemption must happen.
@@ -46,7 +47,7 @@ def _run(executor, async_scheduling: bool) -> tuple[dict[str, list[int]], int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
     tokens, preemptions = _run(InProcessExecutor(Worker(tiny_model, device="cpu")), False)
@@ -59,7 +60,7 @@ def test_async_in_process_loop_overlaps_steps_and_gives_the_sync_tokens(
         tiny_model, reference, overlap_recorder):
     import threading
 
-    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
     worker = Worker(tiny_model, device="cpu")
@@ -83,7 +84,7 @@ def test_async_in_process_loop_overlaps_steps_and_gives_the_sync_tokens(
 def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
         tiny_model, reference, overlap_recorder, async_scheduling):
     from tokenbudget.worker.grpc_worker import serve
-    from tokenbudget.worker.remote_executor import RemoteExecutor
+    from tokenbudget.server.executor.remote import RemoteExecutor
 
     server, port, _ = serve("127.0.0.1", 0)
     try:
@@ -101,7 +102,7 @@ def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
 def test_two_remote_workers_run_every_step_in_lockstep_and_give_the_sync_tokens(
         tiny_model, reference, overlap_recorder, monkeypatch):
     from tokenbudget.worker.grpc_worker import serve
-    from tokenbudget.worker.remote_executor import RemoteExecutor
+    from tokenbudget.server.executor.remote import RemoteExecutor
     from tokenbudget.worker.worker import Worker
 
     steps_run: dict[int, int] = {}  # worker (by id) -> steps it executed

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 from .conftest import MAX_NUM_BATCHED_TOKENS, free_port, spawn, spawn_server, wait_serving
 

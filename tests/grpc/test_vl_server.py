@@ -7,7 +7,7 @@ import io
 import numpy as np
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.server.client import Client
+from tokenbudget.server.entrypoints.client import Client
 
 
 def _png(seed: int) -> bytes:
@@ -20,7 +20,7 @@ def _png(seed: int) -> bytes:
 
 
 def test_streamed_chat_with_an_image_equals_in_process_llm(vl_server, tiny_vl_model):
-    from tokenbudget.server.llm import LLM
+    from tokenbudget.server.entrypoints.llm import LLM
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     chat = {"messages": [{"role": "user", "content": [

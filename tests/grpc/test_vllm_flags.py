@@ -9,9 +9,9 @@ import torch
 
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.proto import generate_pb2
-from tokenbudget.server import cli
-from tokenbudget.server.engine_args import EngineArgs
-from tokenbudget.server.grpc_service import GenerationServicer
+from tokenbudget.server.entrypoints import cli
+from tokenbudget.server.engine.args import EngineArgs
+from tokenbudget.server.entrypoints.grpc.generation import GenerationServicer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
@@ -190,7 +190,7 @@ def test_llm_takes_speculative_config_as_a_dict_and_checks_it():
 # them (in process: loading once keeps this cheap).
 @pytest.fixture(scope="module")
 def flagged_engine(tiny_model, tmp_path_factory):
-    from tokenbudget.worker.tiny_models import build_tokenizer
+    from tokenbudget.server.testing.tiny_models import build_tokenizer
 
     tokenizer_dir = str(tmp_path_factory.mktemp("other_tokenizer"))
     build_tokenizer(tokenizer_dir)
@@ -251,7 +251,7 @@ def test_input_limit_flags_reach_the_engine(flagged_engine):
 
 
 def test_chat_template_may_be_given_inline(tiny_model):
-    from tokenbudget.server.input_processor import InputProcessor
+    from tokenbudget.server.engine.input_processor import InputProcessor
 
     ns = cli.build_parser().parse_args(["--chat-template", TEMPLATE])
     template = cli.engine_args_from(ns).read_chat_template()
@@ -270,7 +270,7 @@ def test_kv_cache_dtype_other_than_the_models_is_refused_at_load(tiny_model):
 
 def test_tenant_and_slo_targets_reach_every_sample_request(flagged_engine):
     from tokenbudget.core import SamplingParams
-    from tokenbudget.server.client import make_request
+    from tokenbudget.server.entrypoints.client import make_request
 
     servicer = GenerationServicer(flagged_engine[0])
     msg = make_request("hi", SamplingParams(max_tokens=2, n=2), tenant="gold", ttft_ms=250.0,

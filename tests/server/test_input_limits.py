@@ -11,8 +11,8 @@ import pytest
 from PIL import Image, ImageFile
 
 from tokenbudget.core.sampling_params import SamplingParams, StructuredOutputParams
-from tokenbudget.server.input_processor import InputProcessor
-from tokenbudget.server.request_builder import build_requests
+from tokenbudget.server.engine.input_processor import InputProcessor
+from tokenbudget.server.engine.request_builder import build_requests
 
 
 def _png(width: int, height: int, mode: str = "RGB") -> bytes:
@@ -29,7 +29,7 @@ def _chat(*images: bytes) -> dict:
 
 @pytest.fixture(scope="module")
 def vl_path(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_vl_limits"), seed=0)
 
@@ -164,7 +164,7 @@ def test_max_tokens_beyond_the_context_is_clamped_to_it(text_processor):
 def test_compiled_grammars_are_cached_within_a_byte_bound(tiny_qwen3_path):
     from transformers import AutoTokenizer
 
-    from tokenbudget.core.structured_output import StructuredOutputManager
+    from tokenbudget.core.structured.manager import StructuredOutputManager
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_path)
     specs = [StructuredOutputParams(choice=[f"option {k} {i}" for i in range(1500)])

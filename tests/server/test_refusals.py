@@ -10,9 +10,9 @@ import weakref
 import grpc
 import pytest
 
-from tokenbudget.core.gc_policy import RefusedBytes
+from tokenbudget.core.utils.gc_policy import RefusedBytes
 from tokenbudget.proto import generate_pb2
-from tokenbudget.server.grpc_errors import public_message, undecodable
+from tokenbudget.server.entrypoints.grpc.errors import public_message, undecodable
 
 PAYLOAD = 2 << 20
 
@@ -20,10 +20,10 @@ PAYLOAD = 2 << 20
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_path):
     from tokenbudget.core.config import CacheConfig, SchedulerConfig
-    from tokenbudget.core.engine import EngineCore
-    from tokenbudget.server.async_engine import AsyncEngine
-    from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.server.engine.core import EngineCore
+    from tokenbudget.server.engine.async_engine import AsyncEngine
+    from tokenbudget.server.engine.input_processor import InputProcessor
+    from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
     core = EngineCore(SchedulerConfig(max_model_len=64), CacheConfig(num_blocks=16),
@@ -36,7 +36,7 @@ def engine(tiny_qwen3_path):
 async def _refuse_many(engine, requests: list[generate_pb2.GenerateRequest]) -> list[int]:
     """Send each request to a grpc.aio server hosting ``engine``; the traced
     memory after each refusal (the collector disabled throughout)."""
-    from tokenbudget.server.grpc_service import add_generation_servicer
+    from tokenbudget.server.entrypoints.grpc.generation import add_generation_servicer
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
     add_generation_servicer(server, engine)

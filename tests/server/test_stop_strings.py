@@ -11,7 +11,7 @@ import random
 import pytest
 
 from tokenbudget.core import RequestOutput, SamplingParams
-from tokenbudget.server.output_processor import SampleState
+from tokenbudget.server.engine.output_processor import SampleState
 
 
 class CharDetokenizer:

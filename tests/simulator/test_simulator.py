@@ -1,5 +1,5 @@
 """The simulator: the real EngineCore and Scheduler over a SimulatedExecutor,
-in simulated time (worker/simulator)."""
+in simulated time (server/sim)."""
 from __future__ import annotations
 
 import json
@@ -11,16 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenbudget.core import CacheConfig, EngineCore, Request, SamplingParams, SchedulerConfig
+from tokenbudget.core import CacheConfig, Request, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.core.kv.hashing import BlockHasher
-from tokenbudget.core.slo import SLOOrder
-from tokenbudget.worker.simulator import (GPU_DEFAULT_CONSTANTS, CostConstants, CostModel,
+from tokenbudget.core.policy.slo import SLOOrder
+from tokenbudget.server.sim import (GPU_DEFAULT_CONSTANTS, CostConstants, CostModel,
                                           SimClock, SimulatedExecutor, TraceRecorder,
                                           TraceRequest, get_hardware, get_model, load_trace,
                                           merge, multi_turn_chat, poisson_arrivals,
                                           sharegpt_like, simulate)
-from tokenbudget.worker.simulator.cost_model import fit
-from tokenbudget.worker.simulator.calibrate import fit_recorded
+from tokenbudget.server.sim.cost_model import fit
+from tokenbudget.server.sim.calibrate import fit_recorded
 
 DATA = Path(__file__).parent / "data"
 MODEL, HW = get_model("qwen3-8b"), get_hardware("h100")
@@ -43,7 +44,7 @@ def _without_wall(summary):
 # Run in this process and in another one: JSON of everything a simulation computed.
 _DETERMINISM_RUN = """
 import json, sys
-from tokenbudget.worker.simulator import (GPU_DEFAULT_CONSTANTS, get_hardware, get_model,
+from tokenbudget.server.sim import (GPU_DEFAULT_CONSTANTS, get_hardware, get_model,
                                           merge, multi_turn_chat, sharegpt_like, simulate)
 
 def run(seed):

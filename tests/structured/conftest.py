@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tokenbudget.core import Request, SamplingParams
-from tokenbudget.core.structured_output import StructuredOutputManager
+from tokenbudget.core.structured.manager import StructuredOutputManager
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
 

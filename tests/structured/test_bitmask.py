@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tokenbudget.core import Request, SamplingParams
-from tokenbudget.core.structured_output import StructuredOutputManager
+from tokenbudget.core.structured.manager import StructuredOutputManager
 
 CHOICES = ["yes", "no", "maybe so", "may"]
 

@@ -93,7 +93,7 @@ def test_executor_without_opt_in_gets_a_concrete_mask(tiny_model, llm, monkeypat
     keeps today's behaviour: an array it can encode, and the sync tokens."""
     from tokenbudget.proto.convert import SchedulerOutputDecoder, SchedulerOutputEncoder
     from tokenbudget.server import LLM
-    from tokenbudget.worker import executor as executor_module
+    from tokenbudget.server.executor import inprocess as executor_module
 
     masks = []
 

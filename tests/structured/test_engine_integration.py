@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tokenbudget.core import RequestStatus, SamplingParams
-from tokenbudget.core.structured_output import GrammarError, GrammarTimeoutError
+from tokenbudget.core.structured.manager import GrammarError, GrammarTimeoutError
 
 REGEX = r"\((add|sub|mul) [0-9]{1,3} [0-9]{1,3}\)"
 PROMPTS = ["The quick brown fox", "Attention lets every position", "def fibonacci(n):",

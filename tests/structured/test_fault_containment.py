@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from tokenbudget.core import Request, SamplingParams
-from tokenbudget.core.structured_output import StructuredOutputManager
+from tokenbudget.core.structured.manager import StructuredOutputManager
 
 REGEX = r"\((add|sub|mul) [0-9]{1,3} [0-9]{1,3}\)"
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34]]

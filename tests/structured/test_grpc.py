@@ -11,8 +11,9 @@ import threading
 import grpc
 import pytest
 
-from tokenbudget.core import CacheConfig, EngineCore, SamplingParams, SchedulerConfig
-from tokenbudget.server.async_engine import AsyncEngine
+from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.server.engine.async_engine import AsyncEngine
 
 SCHEMA = {"type": "object",
           "properties": {"ok": {"type": "boolean"},
@@ -22,8 +23,8 @@ SCHEMA = {"type": "object",
 
 @pytest.fixture(scope="module")
 def served(tiny_model, serving):
-    from tokenbudget.server.input_processor import InputProcessor
-    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.server.engine.input_processor import InputProcessor
+    from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
     executor = InProcessExecutor(Worker(tiny_model), async_mode=True)

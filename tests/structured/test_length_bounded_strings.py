@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.core.structured_output import GrammarError
+from tokenbudget.core.structured.manager import GrammarError
 
 SCHEMA = {"type": "object",
           "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 5}},

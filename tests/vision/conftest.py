@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tokenbudget.worker.tiny_vl_models import random_png
+from tokenbudget.server.testing.tiny_vl_models import random_png
 
 torch.set_num_threads(1)
 
@@ -17,13 +17,13 @@ class VL:
     name: str
     path: str
     model: torch.nn.Module
-    processor: object  # tokenbudget.server.mm_processor.MultiModalProcessor
+    processor: object  # tokenbudget.server.engine.mm_processor.MultiModalProcessor
 
 
 def _load(name: str, path: str) -> VL:
     from transformers import AutoModelForImageTextToText
 
-    from tokenbudget.server.mm_processor import MultiModalProcessor
+    from tokenbudget.server.engine.mm_processor import MultiModalProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return VL(name, path, model, MultiModalProcessor.from_pretrained(path))
@@ -31,21 +31,21 @@ def _load(name: str, path: str) -> VL:
 
 @pytest.fixture(scope="session")
 def qwen2_vl(tmp_path_factory) -> VL:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_vl
 
     return _load("qwen2_vl", build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl")))
 
 
 @pytest.fixture(scope="session")
 def qwen2_5_vl(tmp_path_factory) -> VL:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
     return _load("qwen2_5_vl", build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl")))
 
 
 @pytest.fixture(scope="session")
 def qwen3_vl(tmp_path_factory) -> VL:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen3_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen3_vl
 
     return _load("qwen3_vl", build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl")))
 

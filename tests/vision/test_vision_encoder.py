@@ -59,7 +59,7 @@ def test_repeated_image_is_encoded_once(vl, images, make_chat):
 def test_text_only_model_is_not_a_vision_model(vl, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tokenbudget.worker.tiny_models import build_tiny_qwen3
+    from tokenbudget.server.testing.tiny_models import build_tiny_qwen3
 
     assert is_vision_model(vl.model)
     text_model = AutoModelForCausalLM.from_pretrained(build_tiny_qwen3(tmp_path / "t"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tokenbudget.worker.tiny_vl_models import hf_generate_vl, hf_generate_vl_ids
+from tokenbudget.server.testing.tiny_vl_models import hf_generate_vl, hf_generate_vl_ids
 from tokenbudget.worker.vision import (
     VisionEncoder,
     get_mrope_positions,

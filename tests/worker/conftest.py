@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS
-from tokenbudget.worker.tiny_vl_models import random_png
+from tokenbudget.server.testing.tiny_models import QWEN_SPECIAL_TOKENS
+from tokenbudget.server.testing.tiny_vl_models import random_png
 
 # Mixed prompt lengths: short, a block boundary (16), long ones that chunk.
 PROMPT_LENS = (3, 7, 16, 33, 64, 100, 180, 300)

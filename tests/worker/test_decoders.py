@@ -11,7 +11,7 @@ import torch
 from tokenbudget.core import SamplingParams
 from tokenbudget.server import LLM
 from tokenbudget.worker.loader import decoder_kv_shape
-from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_decoder
+from tokenbudget.server.testing.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_decoder
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "phi", "gemma", "qwen2")
 PROMPT_LENS = (5, 16, 41, 70)

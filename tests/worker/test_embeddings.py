@@ -16,9 +16,9 @@ import torch
 from tokenbudget.core import PoolingParams, SamplingParams
 from tokenbudget.core.pooling_params import POOLING_TYPES, PoolerConfig
 from tokenbudget.server import LLM
-from tokenbudget.server.pooler_defaults import load_pooler_config
-from tokenbudget.server.request_builder import build_pooling_request, build_requests
-from tokenbudget.worker.tiny_models import add_sentence_transformers_files
+from tokenbudget.server.engine.pooler_defaults import load_pooler_config
+from tokenbudget.server.engine.request_builder import build_pooling_request, build_requests
+from tokenbudget.server.testing.tiny_models import add_sentence_transformers_files
 
 ATOL = 1e-5
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -266,8 +266,8 @@ def test_vl_embedding_with_an_image_across_chunks(tmp_path, vl_chats):
     (Qwen3-VL: its deepstack features enter the decoder too)."""
     from transformers import AutoModelForImageTextToText
 
-    from tokenbudget.server.mm_processor import MultiModalProcessor
-    from tokenbudget.worker import tiny_vl_models
+    from tokenbudget.server.engine.mm_processor import MultiModalProcessor
+    from tokenbudget.server.testing import tiny_vl_models
     from tokenbudget.worker.vision import mm_token_type_ids
 
     path = tiny_vl_models.build_tiny_qwen3_vl(tmp_path)

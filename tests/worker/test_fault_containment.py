@@ -14,7 +14,7 @@ import torch
 
 from tokenbudget.core import Request, RequestOutput, SamplingParams
 from tokenbudget.core.failures import RequestFailedError
-from tokenbudget.server.llm import LLM
+from tokenbudget.server.entrypoints.llm import LLM
 
 torch.set_num_threads(1)
 

@@ -10,9 +10,9 @@ import torch
 from tokenbudget.core import SamplingParams
 from tokenbudget.proto import generate_pb2
 from tokenbudget.server import LLM
-from tokenbudget.server.client import make_request
-from tokenbudget.server.grpc_service import GenerationServicer
-from tokenbudget.worker.tiny_models import build_tiny_decoder
+from tokenbudget.server.entrypoints.client import make_request
+from tokenbudget.server.entrypoints.grpc.generation import GenerationServicer
+from tokenbudget.server.testing.tiny_models import build_tiny_decoder
 
 PROMPTS = [[100, 200, 300, 400, 500], [700, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 FILE = {"temperature": 0.0, "top_k": 40, "max_new_tokens": 10, "repetition_penalty": 1.0}
@@ -67,7 +67,7 @@ def test_generation_config_vllm_ignores_the_file(greedy_checkpoint, tmp_path):
 
 
 def test_grpc_unset_fields_take_the_defaults_and_set_ones_win(greedy_checkpoint):
-    from tokenbudget.server import cli
+    from tokenbudget.server.entrypoints import cli
 
     ns = cli.build_parser().parse_args(["--model", greedy_checkpoint, "--port", "0",
                                         "--num-gpu-blocks", "8", "--max-model-len", "64"])

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tokenbudget.server.input_processor import IncrementalDetokenizer, InputProcessor
+from tokenbudget.server.engine.input_processor import IncrementalDetokenizer, InputProcessor
 
 
 @pytest.fixture(scope="module")

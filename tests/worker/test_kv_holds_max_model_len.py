@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.server.llm import LLM
+from tokenbudget.server.entrypoints.llm import LLM
 
 
 def test_an_explicit_max_model_len_the_cache_cannot_hold_is_refused(tiny_qwen3_path):
@@ -27,7 +27,7 @@ def test_draft_slots_count_against_the_cache(tiny_qwen3_path):
 
 
 def test_the_default_max_model_len_is_capped_to_the_cache(tiny_qwen3_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="tokenbudget.core.engine"):
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.server.engine.core"):
         llm = LLM(tiny_qwen3_path, device="cpu", num_gpu_blocks=4, block_size=16,
                   async_scheduling=False)
     try:

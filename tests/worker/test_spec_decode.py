@@ -158,7 +158,7 @@ def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path,
 
 @pytest.fixture(scope="module")
 def tiny_vl_path(tmp_path_factory) -> str:
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl_spec"))
 
@@ -168,8 +168,8 @@ def test_vl_greedy_with_drafts_equals_transformers_generate(tiny_vl_path, vl_cha
                                                             overlap_recorder, async_scheduling):
     from transformers import AutoModelForImageTextToText
 
-    from tokenbudget.server.mm_processor import MultiModalProcessor
-    from tokenbudget.worker.tiny_vl_models import hf_generate_vl_ids
+    from tokenbudget.server.engine.mm_processor import MultiModalProcessor
+    from tokenbudget.server.testing.tiny_vl_models import hf_generate_vl_ids
 
     path = tiny_vl_path
     processor = MultiModalProcessor.from_pretrained(path)

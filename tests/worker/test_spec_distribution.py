@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.core import CacheConfig, EngineCore, Request, SamplingParams, SchedulerConfig
+from tokenbudget.core import CacheConfig, Request, SamplingParams, SchedulerConfig
+from tokenbudget.server.engine.core import EngineCore
 
 VOCAB = 4
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 0, 1]
@@ -64,7 +65,7 @@ def exact_law(tiny_vocab_model) -> dict[tuple[int, ...], float]:
 
 
 def sample(path: str, spec: dict | None) -> tuple[list[tuple[int, ...]], EngineCore]:
-    from tokenbudget.worker.executor import InProcessExecutor
+    from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
     worker = Worker(path, dtype="float32", device="cpu", attention_backend="sdpa", seed=11)

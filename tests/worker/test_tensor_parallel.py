@@ -75,8 +75,8 @@ def test_tp2_vision_language_greedy_equals_tp1_and_transformers(tmp_path_factory
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from tokenbudget.server.mm_processor import MultiModalProcessor
-    from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl, hf_generate_vl_ids
+    from tokenbudget.server.engine.mm_processor import MultiModalProcessor
+    from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl, hf_generate_vl_ids
 
     path = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tp_qwen2_5_vl"))
     processor = MultiModalProcessor.from_pretrained(path)
@@ -110,7 +110,7 @@ def test_tp2_vision_language_greedy_equals_tp1_and_transformers(tmp_path_factory
 
 def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_starts(
         tiny_qwen3_path, monkeypatch):
-    from tokenbudget.worker.parallel import launcher
+    from tokenbudget.server.executor import tensor_parallel as launcher
 
     monkeypatch.setattr(launcher, "LocalRanks", None)  # starting a rank would raise TypeError
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's "
@@ -125,7 +125,7 @@ def test_idle_ranks_outlive_the_collective_timeout_and_stop_in_order():
     import signal
     import time
 
-    from tokenbudget.worker.parallel.launcher import LocalRanks
+    from tokenbudget.server.executor.tensor_parallel import LocalRanks
 
     ranks = LocalRanks(2, dist_timeout_s=1.0)
     try:
@@ -145,7 +145,7 @@ def test_a_killed_rank_fails_the_step_with_the_reason_and_a_fresh_group_recovers
     group that generates the same tokens."""
     import time
 
-    from tokenbudget.worker.remote_executor import WorkerUnavailableError
+    from tokenbudget.server.executor.remote import WorkerUnavailableError
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     old = tp_llm.executor.ranks.procs

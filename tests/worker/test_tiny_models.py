@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tokenbudget.worker.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_qwen3
+from tokenbudget.server.testing.tiny_models import QWEN_SPECIAL_TOKENS, build_tiny_qwen3
 
 
 def test_tokenizer_keeps_qwen_special_tokens_whole(tiny_qwen3_path):

@@ -14,7 +14,7 @@ import torch
 from tokenbudget.worker.parallel.sharding import (ColumnParallelLinear, RowParallelLinear,
                                                   check_tensor_parallel_size, find_decoder,
                                                   shard_model)
-from tokenbudget.worker.tiny_vl_models import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl
+from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl
 
 
 class ThreadAllReduce:

@@ -8,8 +8,8 @@ import torch
 
 from tokenbudget.core import SamplingParams
 from tokenbudget.server import LLM
-from tokenbudget.server.mm_processor import MultiModalProcessor
-from tokenbudget.worker.tiny_vl_models import (build_tiny_qwen2_5_vl, build_tiny_qwen3_vl,
+from tokenbudget.server.engine.mm_processor import MultiModalProcessor
+from tokenbudget.server.testing.tiny_vl_models import (build_tiny_qwen2_5_vl, build_tiny_qwen3_vl,
                                                hf_generate_vl_ids)
 
 BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "qwen3_vl": build_tiny_qwen3_vl}

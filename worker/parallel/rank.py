@@ -75,7 +75,7 @@ class DriverWorker:
                  device: str = "", attention_backend: str = "auto",
                  on_broken: Callable[[BaseException], None]) -> None:
         from tokenbudget.worker.loader import check_supported
-        from tokenbudget.worker.model_source import load_config
+        from tokenbudget.core.utils.model_source import load_config
         from tokenbudget.worker.parallel.sharding import check_tensor_parallel_size
 
         self.group = group

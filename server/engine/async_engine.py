@@ -1,0 +1,576 @@
+"""AsyncEngine: one thread owns the EngineCore; many callers stream from it.
+
+The engine thread is the only one that touches the scheduler. Callers hand it
+commands (add, abort, stats) through a queue it drains between steps, so an
+abort frees the request's KV blocks before the next step is scheduled. Each
+request gets a ``RequestStream``; the engine thread puts RequestOutputs into
+it and the reader (a thread or an asyncio event loop) detokenizes, keeping
+the engine loop lean.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.core.outputs import RequestOutput
+from tokenbudget.core.pooling_params import PoolerConfig
+from tokenbudget.core.request import Request
+from tokenbudget.core.sched.scheduler import DuplicateRequestError
+from tokenbudget.server.engine.output_processor import SampleState
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (or a worker it drives) failed; no request can run."""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one read from a RequestStream yields: everything new of one
+    sample (``index``) since the last read."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    stop_reason: int | str | None = None
+    # Prompt logprobs (entry 0 is None), on the first chunk that follows them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A pooling request's vector (1-D float32 tensor), on its last chunk.
+    pooling_output: Any = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_requests: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    encoder_cache_usage: float
+    num_generated_tokens: int
+    healthy: bool
+    # Speculative decoding (core/sched/stats.py), since start.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_accepted_length: float = 0.0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    # The host KV tier (SchedulerStats' fields of the same names).
+    num_offload_blocks: int = 0
+    offload_blocks_used: int = 0
+    num_swapped_requests: int = 0
+    num_recomputed_tokens: int = 0
+    kv_swap_out_blocks: int = 0
+    kv_swap_in_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+    num_tokens: int = 0
+
+
+class RequestStream:
+    """Iterate for Chunks until every sample of the request has finished.
+    Raises the engine's error (ValueError from the scheduler,
+    EngineDeadError) instead.
+
+    Read it from a thread (``for chunk in stream``) or from an asyncio event
+    loop (``async for chunk in stream``); the engine thread wakes an async
+    reader through its loop, once per step for all the loop's streams.
+    ``on_stop(engine_request_id)`` is called (on the reader's side) when a
+    stop string ends a sample the engine is still running."""
+
+    def __init__(self, requests: Request | list[Request],
+                 samples: list[SampleState] | None = None,
+                 on_stop: Callable[[str], None] | None = None, *,
+                 request_id: str | None = None) -> None:
+        """``samples``: one per request (default: token ids only, no text)."""
+        if isinstance(requests, Request):
+            requests = [requests]
+        if samples is None:
+            samples = [SampleState(i, r.sampling_params, None) for i, r in enumerate(requests)]
+        self.request_id = request_id or requests[0].request_id
+        self.num_prompt_tokens = requests[0].num_prompt_tokens
+        # Engine request id -> its sample.
+        self.samples = {r.request_id: s for r, s in zip(requests, samples)}
+        self._on_stop = on_stop
+        self._num_live = len(samples)
+        self._prompt_logprobs: list[dict[int, float] | None] | None = None
+        self._queue: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self.timing = _Timing(time.monotonic())
+        self.num_output_tokens = 0
+        # Set by an async reader (on its loop) before it first looks at the queue.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every sample has finished (its last chunk was read)."""
+        return self._num_live == 0
+
+    def put(self, item: RequestOutput | BaseException, *, wake: bool = True) -> None:
+        """Queue an item; ``wake=False`` leaves waking an async reader to the
+        caller (see wake_async_readers)."""
+        self._queue.put(item)
+        if wake and self.loop is not None:
+            wake_async_readers([self])
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while not self.finished:
+            yield from self._take(self._queue.get())
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        self._ready = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        while not self.finished:
+            # Clear before looking: an item queued after the look sets it again.
+            self._ready.clear()
+            if self._queue.empty():
+                await self._ready.wait()
+                continue
+            for chunk in self._take(self._queue.get_nowait()):
+                yield chunk
+
+    def _take(self, first: RequestOutput | BaseException) -> list[Chunk]:
+        items = [first]
+        # Coalesce what piled up while the reader was slow: one chunk per sample.
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        by_sample: dict[str, list[RequestOutput]] = {}
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            if item.prompt_logprobs:
+                self._prompt_logprobs = (self._prompt_logprobs or [None]) + \
+                    item.prompt_logprobs
+            by_sample.setdefault(item.request_id, []).append(item)
+        chunks = []
+        for rid, outputs in by_sample.items():
+            sample = self.samples[rid]
+            if sample.finished:
+                continue  # stopped by a string while later steps were in flight
+            delta = sample.update(outputs)
+            if delta is None:
+                continue
+            chunk = Chunk(delta.token_ids, delta.text, delta.finish_reason,
+                          max(outputs[-1].num_cached_tokens, 0), delta.logprobs, delta.index,
+                          delta.stop_reason)
+            chunk.pooling_output = outputs[-1].pooling_output
+            if self._prompt_logprobs is not None and chunk.token_ids:
+                chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+            self.num_output_tokens += len(chunk.token_ids)
+            if sample.finished:
+                self._num_live -= 1
+                if sample.stopped_by_string and self._on_stop is not None:
+                    self._on_stop(rid)
+            chunks.append(chunk)
+        return chunks
+
+
+def wake_async_readers(streams: list[RequestStream]) -> None:
+    """Wake the async readers of ``streams`` (from any thread): one call into
+    each event loop rather than one per stream, since every call writes to
+    the loop's self-pipe and a step feeds many streams."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for stream in streams:
+        if stream.loop is not None and stream._ready is not None:
+            by_loop.setdefault(stream.loop, []).append(stream._ready)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the loop closed: its readers are gone
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
+class AsyncEngine:
+    """Thread-safe front of an EngineCore.
+
+    ``input_processor`` (tokenbudget.server.engine.input_processor.InputProcessor)
+    tokenizes for the services and gives text deltas; ``metrics``
+    (tokenbudget.server.engine.metrics.EngineMetrics) is optional. The keyword
+    arguments describe the model for GetModelInfo."""
+
+    def __init__(self, core: EngineCore, input_processor: Any | None = None,
+                 metrics: Any | None = None, *, model_name: str = "",
+                 eos_token_ids: list[int] | None = None, is_vision_language: bool = False,
+                 is_demo: bool = False, num_remote_workers: int = 0,
+                 served_model_name: str | None = None,
+                 sampling_defaults: dict[str, Any] | None = None,
+                 trace_recorder: Any | None = None,
+                 pooler_config: PoolerConfig | None = None) -> None:
+        """``trace_recorder``: a server.sim.traces.TraceRecorder that sees
+        every accepted request and its output length (no text), for replay.
+        ``pooler_config``: the model's default pooling for embedding requests
+        (server/engine/pooler_defaults.py; default LAST, normalised)."""
+        self.pooler_config = pooler_config or PoolerConfig()
+        self.core = core
+        self.trace_recorder = trace_recorder
+        # Engine request id -> its Request, while recorded and live.
+        self._recorded: dict[str, Request] = {}
+        self.input_processor = input_processor
+        self.metrics = metrics
+        self.model_name = model_name  # the path or hub id it was loaded from
+        self.served_model_name = served_model_name or model_name
+        # SamplingParams keyword -> value for fields a request leaves unset
+        # (the model's generation_config; see server/engine/generation_defaults.py).
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.is_vision_language = is_vision_language
+        self.is_demo = is_demo
+        self.num_remote_workers = num_remote_workers
+        self.max_model_len = core.scheduler.scheduler_config.max_model_len
+        if input_processor is not None and input_processor.max_model_len is None:
+            # Its prompt-bytes limit and max_tokens clamp follow the engine's context.
+            input_processor.max_model_len = self.max_model_len
+        scheduler = core.scheduler
+        if scheduler.structured_output_manager is None and input_processor is not None:
+            # Structured output needs only the tokenizer; xgrammar loads on first use.
+            from tokenbudget.core.structured.manager import StructuredOutputManager
+
+            scheduler.structured_output_manager = StructuredOutputManager(
+                input_processor.tokenizer, input_processor.vocab_size)
+        # Engine request id (one per sample) -> its stream, while the engine runs it.
+        self._streams: dict[str, RequestStream] = {}
+        # The caller's request id -> its stream, while any of its samples runs.
+        self._groups: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._commands: list[Callable[[], None]] = []
+        self._wakeup = threading.Condition(self._lock)
+        self._stopping = False
+        self._error: BaseException | None = None
+        # A worker failure the executor reported, for the engine thread to act on.
+        self._executor_failure: BaseException | None = None
+        self._num_generated_tokens = 0
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._recovery_callbacks: list[Callable[[], None]] = []
+        add_cb = getattr(core.executor, "add_failure_callback", None)
+        if add_cb is not None:
+            # A worker dying while the engine idles must still be noticed.
+            add_cb(self._on_executor_failure)
+        self._thread = threading.Thread(target=self._loop, name="tokenbudget-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side ---------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(exc)`` runs (on the engine thread) when the engine stops
+        serving: for good, or until its workers are back (see on_recovery)."""
+        self._death_callbacks.append(callback)
+
+    def on_recovery(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (on the engine thread) when reconnected workers
+        serve again after a failure."""
+        self._recovery_callbacks.append(callback)
+
+    def add_request(self, request: Request | list[Request], *, detokenize: bool = True,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request, or the samples of one (request_builder.build_requests,
+        ``request_id`` the caller's id for them all); errors found now raise
+        here (DuplicateRequestError, ValueError, EngineDeadError), later ones
+        come out of the stream."""
+        requests = [request] if isinstance(request, Request) else list(request)
+        request_id = request_id or requests[0].request_id
+        if requests[0].num_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {requests[0].num_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        samples = []
+        for i, r in enumerate(requests):
+            params = r.sampling_params
+            detok = None
+            if detokenize and self.input_processor is not None:
+                detok = self.input_processor.detokenizer(params.skip_special_tokens,
+                                                         params.spaces_between_special_tokens)
+            elif params.stop:
+                raise ValueError("sampling_params.stop: stop strings need the engine to "
+                                 "detokenize (an input processor, detokenize=True)")
+            samples.append(SampleState(i, params, detok))
+        stream = RequestStream(requests, samples, self._stop_sample, request_id=request_id)
+        with self._lock:
+            self._check_alive()
+            taken = [rid for rid in (request_id, *stream.samples)
+                     if rid in self._streams or rid in self._groups]
+            if taken:
+                raise DuplicateRequestError(f"request_id {taken[0]!r} already exists")
+            self._groups[request_id] = stream
+            for rid in stream.samples:
+                self._streams[rid] = stream
+            self._commands.append(lambda: self._add(requests, stream))
+            self._wakeup.notify()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request, every sample of it (its stream ends with
+        finish reason "abort"); False if no such request is live."""
+        with self._lock:
+            if request_id not in self._groups:
+                return False
+            self._commands.append(lambda: self._abort(request_id))
+            self._wakeup.notify()
+        return True
+
+    def _stop_sample(self, rid: str) -> None:
+        # A reader matched a stop string: the engine may still be running the sample.
+        self._submit(lambda: self._finish_stopped(rid))
+
+    def get_stats(self, timeout: float = 10.0) -> EngineStats:
+        if not self.healthy:
+            return self._make_stats()  # the thread is gone; nothing mutates
+        fut: Future[EngineStats] = Future()
+        self._submit(lambda: fut.set_result(self._make_stats()))
+        return fut.result(timeout)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._groups)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is live; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._groups and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._groups
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+            reconnecting = self._error is not None and self._thread.is_alive()
+        if reconnecting:
+            # The engine thread may wait on a hung worker's Initialize: closing
+            # the executor's connections ends that wait.
+            self.core.executor.shutdown()
+        self._thread.join(timeout=30)
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self.core.shutdown()
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    # -- engine thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._run()
+                return  # shutting down
+            except BaseException as exc:  # a worker died or hung, or the engine has a bug
+                recoverable = self.core.can_recover(exc) and not self._stopping
+                if not recoverable:
+                    logger.exception("engine loop failed; failing every request")
+                self._stop_serving(exc)
+                if not recoverable or not self._reconnect():
+                    return
+
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            with self._lock:
+                while not (self._commands or self._stopping or self._executor_failure or
+                           core.has_unfinished_requests()):
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+                if self._executor_failure is not None:
+                    raise self._executor_failure
+                commands, self._commands = self._commands, []
+            for command in commands:
+                command()
+            if core.has_unfinished_requests():
+                self._dispatch(core.step())
+                if self.metrics is not None:
+                    if core.has_unfinished_requests():
+                        self.metrics.maybe_observe_engine(self._make_stats)
+                    else:  # going idle: the gauges must not keep the last busy value
+                        self.metrics.observe_engine(self._make_stats())
+
+    def _on_executor_failure(self, exc: BaseException) -> None:
+        with self._lock:
+            self._executor_failure = exc
+            self._wakeup.notify()
+
+    def _stop_serving(self, exc: BaseException) -> None:
+        """Fail every request with ``exc`` and forget them, so stats show none
+        running; the death callbacks report the engine unhealthy."""
+        with self._lock:  # from here on add_request refuses
+            self._error = exc
+        self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+        try:
+            self.core.discard_requests()
+        except Exception:  # a scheduler broken by a bug: stats may still show its requests
+            logger.exception("could not discard the failed requests")
+        self._recorded.clear()
+        if self.metrics is not None:
+            self.metrics.observe_engine(self._make_stats())
+        for callback in self._death_callbacks:
+            callback(exc)
+
+    def _reconnect(self) -> bool:
+        """Reinitialise the workers, retrying with backoff (0.5 s doubling to
+        10 s) until they answer; False if the engine shuts down first."""
+        delay = 0.5
+        while True:
+            with self._lock:
+                self._executor_failure = None
+                if self._stopping:
+                    return False
+            try:
+                self.core.reinitialize()
+            except ConnectionError as exc:
+                logger.warning("workers unreachable (%s); retrying in %.1f s", exc, delay)
+                with self._lock:
+                    self._wakeup.wait_for(lambda: self._stopping, delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            # A smaller cache may have lowered max_model_len: new requests' limits follow.
+            self.max_model_len = self.core.scheduler.scheduler_config.max_model_len
+            if self.input_processor is not None:
+                self.input_processor.max_model_len = self.max_model_len
+            with self._lock:
+                if self._executor_failure is not None:  # failed again at once
+                    continue
+                self._error = None
+            logger.info("workers reinitialised: serving again")
+            for callback in self._recovery_callbacks:
+                callback()
+            return True
+
+    def _add(self, requests: list[Request], stream: RequestStream) -> None:
+        if self._streams.get(requests[0].request_id) is not stream:
+            return  # failed with the engine after it was queued
+        added = []
+        try:
+            for request in requests:
+                self.core.add_request(request)
+                added.append(request.request_id)
+                if self.trace_recorder is not None:
+                    self.trace_recorder.on_add(request)
+                    self._recorded[request.request_id] = request
+        except ValueError as exc:
+            self.core.abort_requests(added)
+            for rid in stream.samples:
+                self._close(rid)
+            stream.put(exc)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._groups.get(request_id)
+        if stream is None:
+            return
+        live = [rid for rid in stream.samples if self._close(rid) is not None]
+        self.core.abort_requests(live)
+        for rid in live:
+            self._recorded.pop(rid, None)  # an aborted request has no output length
+        for rid in live:
+            stream.put(RequestOutput(rid, [], "abort"))
+
+    def _finish_stopped(self, rid: str) -> None:
+        if self._sample_done(rid, time.monotonic(), "stop"):
+            self.core.stop_requests([rid])
+
+    def _sample_done(self, rid: str, now: float, finish_reason: str | None) -> bool:
+        """A sample finished; False if it was no longer live."""
+        stream = self._close(rid)
+        if stream is None:
+            return False
+        recorded = self._recorded.pop(rid, None)
+        if recorded is not None:
+            self.trace_recorder.on_finish(rid, recorded.num_output_tokens)
+        if self.metrics is not None and stream.request_id not in self._groups:
+            # The request's last sample.
+            self.metrics.observe_finished(stream.timing, now, request_id=stream.request_id,
+                                          num_prompt_tokens=stream.num_prompt_tokens,
+                                          finish_reason=finish_reason)
+        return True
+
+    def _close(self, rid: str) -> RequestStream | None:
+        """Forget a sample the engine no longer runs (and its stream with its last one)."""
+        with self._lock:
+            stream = self._streams.pop(rid, None)
+            if stream is not None and not any(r in self._streams for r in stream.samples):
+                self._groups.pop(stream.request_id, None)
+            return stream
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        woken: list[RequestStream] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while its step was in flight
+            n = len(out.new_token_ids)
+            self._num_generated_tokens += n
+            timing = stream.timing
+            if n and timing.first_token is None:
+                timing.first_token = now
+            timing.num_tokens += n
+            if out.finished:
+                self._sample_done(out.request_id, now, out.finish_reason)
+            # A request that failed (its grammar did not compile) raises in the reader.
+            stream.put(out if out.error is None else out.error, wake=False)
+            if stream.loop is not None:
+                woken.append(stream)
+        if woken:
+            wake_async_readers(woken)
+        if metrics is not None:
+            metrics.observe_tokens(sum(len(o.new_token_ids) for o in outputs))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams, self._streams, self._groups = self._groups, {}, {}
+        for stream in streams.values():
+            stream.put(exc)
+
+    def _make_stats(self) -> EngineStats:
+        s = self.core.scheduler.make_stats()
+        pool = self.core.scheduler.kv_cache_manager.block_pool
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_requests=len(self._groups), kv_cache_usage=s.kv_cache_usage,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_total_blocks=self.core.scheduler.cache_config.num_blocks - 1,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, encoder_cache_usage=s.encoder_cache_usage,
+            num_generated_tokens=self._num_generated_tokens, healthy=self.healthy,
+            spec_num_drafts=s.spec_decoding.num_drafts,
+            spec_num_draft_tokens=s.spec_decoding.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_decoding.num_accepted_tokens,
+            spec_mean_accepted_length=s.spec_decoding.mean_accepted_length,
+            spec_accepted_per_position=s.spec_decoding.accepted_per_position,
+            num_offload_blocks=s.num_offload_blocks, offload_blocks_used=s.offload_blocks_used,
+            num_swapped_requests=s.num_swapped_requests,
+            num_recomputed_tokens=s.num_recomputed_tokens,
+            kv_swap_out_blocks=s.kv_swap_out_blocks, kv_swap_in_blocks=s.kv_swap_in_blocks)
+

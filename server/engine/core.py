@@ -1,0 +1,262 @@
+"""EngineCore: schedule -> execute -> update, synchronously or overlapped.
+
+With async (overlap) scheduling, step N+1 is scheduled while step N runs on
+the worker: every request that will sample in step N carries one output
+placeholder, and the worker feeds its own last sampled token as the next
+input. Both loops produce the same tokens.
+
+Speculative decoding overlaps steps only while no drafts are proposed: a step
+that verifies drafts runs alone, since how many it accepts decides where the
+next step starts, so the loop is synchronous while drafts keep coming and
+overlapped again once the proposer finds nothing (text that does not repeat).
+
+A structured request's bitmask for step N+1 depends on the token step N
+samples. Executors that set ``defers_grammar_bitmask`` accept a pending mask
+(a Future their worker waits on right before sampling): the engine sends step
+N+1 at once and fills its mask after applying step N. Other executors get a
+concrete mask, so steps do not overlap while structured requests sample.
+
+An executor whose workers can come back (RemoteExecutor) has
+``reinitialize() -> num_blocks`` and fails steps with a ConnectionError while
+they are gone: the engine front then calls ``discard_requests`` and, until it
+succeeds, ``reinitialize``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import logging
+from collections import deque
+from concurrent.futures import Future
+from typing import Protocol
+
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from tokenbudget.core.request import Request, RequestStatus
+from tokenbudget.core.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+        """Load the model and allocate the KV cache; return the number of blocks."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 executor: Executor, structured_output_manager=None, *,
+                 max_model_len_given: bool = False) -> None:
+        """``max_model_len_given``: the user set max_model_len, so a KV cache
+        that cannot hold one such request is an error; otherwise max_model_len
+        is lowered to what the cache holds, with a warning."""
+        sized_by = _kv_size_setting(cache_config)
+        num_blocks = executor.initialize(cache_config, scheduler_config)
+        if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
+            cache_config.num_blocks = num_blocks
+        try:
+            fit_max_model_len(scheduler_config, cache_config, sized_by, max_model_len_given)
+        except ValueError:
+            executor.shutdown()
+            raise
+        # What max_model_len is while the cache holds it: a reconnect to a
+        # smaller cache lowers it, one to a larger cache restores it.
+        self._max_model_len = scheduler_config.max_model_len
+        self.executor = executor
+        self.async_scheduling = scheduler_config.async_scheduling
+        self._defer_masks = self.async_scheduling and \
+            getattr(executor, "defers_grammar_bitmask", False)
+        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager,
+                                   defer_grammar_bitmask=self._defer_masks)
+        # Steps sent to the executor whose outputs have not been applied.
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids) -> list[str]:
+        """Finish requests whose stop condition the front found (a stop string)."""
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs that became known."""
+        if self.async_scheduling:
+            return self._step_async()
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            self._flush_finished(so)
+            self._wait_for_grammars()
+            return self.scheduler.take_side_outputs()
+        result = self.executor.execute_model(so).result()
+        return self.scheduler.update_from_output(so, result)
+
+    def _step_async(self) -> list[RequestOutput]:
+        # Keep at most two steps in flight: schedule N+1, then wait for N.
+        sent = False
+        s = self.scheduler
+        outputs: list[RequestOutput] = []
+        if (not self._defer_masks and any(so.structured_req_ids for so, _ in self._in_flight)) \
+                or s.num_stale_drafts or any(so.scheduled_spec_decode_tokens
+                                             for so, _ in self._in_flight):
+            # The next grammar bitmask must see the tokens those steps sample:
+            # with structured requests sampling, steps do not overlap. Nor do
+            # they while drafts are verified: how many a step accepts decides
+            # where the next one starts, and drafts proposed while a step was
+            # in flight are stale.
+            while self._in_flight:
+                outputs += self._apply_oldest()
+        if s.has_unfinished_requests() or s.finished_req_ids:
+            so = s.schedule()
+            if not so.is_empty:
+                self._in_flight.append((so, self.executor.execute_model(so)))
+                sent = True
+                if len(self._in_flight) == 1:
+                    s.fill_grammar_bitmask(so)  # no earlier step to wait for
+            else:
+                self._flush_finished(so)
+        if not self._in_flight:
+            if not outputs:
+                self._wait_for_grammars()
+            return outputs + s.take_side_outputs()
+        # Only a step that sent work may return without waiting: when nothing
+        # could be scheduled, progress needs the in-flight step's output.
+        if sent and len(self._in_flight) < 2 and self._can_schedule_more():
+            # The step just sent runs while we schedule the next one.
+            return outputs
+        return outputs + self._apply_oldest()
+
+    def _apply_oldest(self) -> list[RequestOutput]:
+        so, fut = self._in_flight.popleft()
+        try:
+            return self.scheduler.update_from_output(so, fut.result())
+        finally:
+            if self._in_flight:
+                # Step N's tokens are in the matchers: step N+1's deferred mask
+                # can be filled (its worker has been running the forward
+                # meanwhile). Even after an error: the worker waits on it.
+                self.scheduler.fill_grammar_bitmask(self._in_flight[0][0])
+
+    def _wait_for_grammars(self) -> None:
+        # Nothing runs: rather than spin, sleep until a grammar compiles (briefly,
+        # so callers still get to add and abort requests).
+        som = self.scheduler.structured_output_manager
+        if som is not None and som.has_pending():
+            som.wait_for_compiles(0.02)
+
+    def _can_schedule_more(self) -> bool:
+        s = self.scheduler
+        return any(r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+                   for r in s.running) or bool(s.waiting)
+
+    def _flush_finished(self, so: SchedulerOutput) -> None:
+        # Nothing to run, but workers must still hear about finished requests,
+        # evicted encoder outputs and KV to copy out before its blocks are reused.
+        if so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids \
+                or so.kv_swap_out:
+            self.executor.execute_model(so).result()
+
+    # -- after a worker failed -----------------------------------------------------------
+    def can_recover(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the executor's workers went away or hung (they
+        may come back) rather than a bug."""
+        return isinstance(exc, ConnectionError) and hasattr(self.executor, "reinitialize")
+
+    def discard_requests(self) -> None:
+        """Forget every request and step in flight (their worker is gone): abort
+        them all (their KV blocks and grammar matchers are released) and start
+        a fresh scheduler, so nothing of the old worker's state survives: its
+        cached prefixes went with its KV, and its finished-request ids mean
+        nothing to the next one."""
+        self._drop_in_flight()
+        old = self.scheduler
+        old.finish_requests(list(old.requests), RequestStatus.FINISHED_ABORTED)
+        self.scheduler = Scheduler(old.scheduler_config, old.cache_config,
+                                   old.structured_output_manager,
+                                   defer_grammar_bitmask=self._defer_masks)
+        # KV event subscribers stay; they see every block cleared.
+        self.scheduler.kv_tiering.take_over_events(old.kv_tiering)
+
+    def reinitialize(self) -> None:
+        """Reconnect the executor's workers and initialise them again with the
+        same configuration (after discard_requests). A worker may now report
+        another KV size (other free memory): the scheduler gets a pool of that
+        size, and max_model_len is lowered (with a warning) to what that pool
+        holds, or restored up to its start-up value when the pool allows.
+        Raises ConnectionError while a worker cannot be reached, or comes
+        back with a cache too small for any request."""
+        num_blocks = self.executor.reinitialize()
+        cache_config = self.scheduler.cache_config
+        if num_blocks != cache_config.num_blocks:
+            scheduler_config = self.scheduler.scheduler_config
+            # Checked on copies: a refused pool leaves the old settings, so
+            # the next attempt compares against them again.
+            fitted = dataclasses.replace(scheduler_config, max_model_len=self._max_model_len)
+            try:
+                sized = dataclasses.replace(cache_config, num_blocks=num_blocks)
+                # Lowered even when max_model_len was given: refusing would
+                # stop serving every request, not just the longest ones.
+                fit_max_model_len(fitted, sized, "the reconnected workers' cache", given=False)
+            except ValueError as exc:  # not one token fits: wait for a better worker
+                raise ConnectionError(f"the workers came back with too small a KV cache: "
+                                      f"{exc}") from None
+            logger.warning("the workers came back with %d KV blocks (had %d)", num_blocks,
+                           cache_config.num_blocks)
+            cache_config.num_blocks = num_blocks
+            scheduler_config.max_model_len = fitted.max_model_len
+            self.discard_requests()
+
+    def _drop_in_flight(self) -> None:
+        for so, fut in self._in_flight:
+            fut.cancel()
+            if isinstance(so.grammar_bitmask, Future):
+                so.grammar_bitmask.cancel()  # releases a worker waiting on it
+        self._in_flight.clear()
+
+    def shutdown(self) -> None:
+        self._drop_in_flight()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()
+        self.executor.shutdown()
+
+
+def _kv_size_setting(cache_config: CacheConfig) -> str:
+    """The setting that sizes the KV cache, as the user gave it."""
+    if cache_config.num_blocks is not None:
+        return f"num_gpu_blocks={cache_config.num_blocks} (--num-gpu-blocks)"
+    if cache_config.kv_cache_memory_bytes is not None:
+        return f"kv_cache_memory={cache_config.kv_cache_memory_bytes} (--kv-cache-memory)"
+    return (f"gpu_memory_utilization={cache_config.gpu_memory_utilization:g} "
+            "(--gpu-memory-utilization; on CPU the default cache size)")
+
+
+def fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                      sized_by: str, given: bool) -> None:
+    """A request may grow to max_model_len tokens (plus its draft lookahead),
+    and must then still fit in the whole cache alone, or it could never
+    finish (vLLM refuses such a cache at start-up too). Refuse when
+    max_model_len was ``given``; else lower it to what the cache holds."""
+    capacity = (cache_config.num_blocks - 1) * cache_config.block_size
+    lookahead = scheduler_config.num_speculative_tokens
+    need = scheduler_config.max_model_len + lookahead
+    if need <= capacity:
+        return
+    spec = f" + num_speculative_tokens={lookahead}" if lookahead else ""
+    what = (f"{sized_by} gives {capacity} tokens of KV cache "
+            f"({cache_config.num_blocks - 1} blocks of {cache_config.block_size}), less than "
+            f"max_model_len={scheduler_config.max_model_len}{spec} needs ({need})")
+    if given or capacity - lookahead < 1:
+        raise ValueError(f"{what}; raise the KV cache (--num-gpu-blocks / --kv-cache-memory / "
+                         "--gpu-memory-utilization) or lower max_model_len (--max-model-len)")
+    scheduler_config.max_model_len = capacity - lookahead
+    logger.warning("%s: max_model_len lowered to %d (set --max-model-len to choose, or give "
+                   "the KV cache more room)", what, scheduler_config.max_model_len)

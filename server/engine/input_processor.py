@@ -1,0 +1,365 @@
+"""Prompts in, token ids out (and token ids back to text, incrementally)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tokenbudget.core.request import MultiModalFeature
+from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.server.engine.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
+                                             DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST)
+
+Prompt = str | dict[str, Any]
+
+# Unicode normalization (NFC, NFKC) can shorten text before it is tokenized:
+# composing a Hangul syllable from its three jamo turns 9 UTF-8 bytes into 3.
+_NORMALIZER_SHRINK = 3
+# Tokens tokenized beyond truncate_prompt_tokens when only a tail of a long
+# text is tokenized: the first tokens of a cut text may differ from those of
+# the whole, and these absorb the difference.
+_TAIL_SLACK_TOKENS = 16
+
+
+class InputProcessor:
+    """Tokenizes and validates the prompt forms of ``LLM.generate`` and the server:
+    a string, ``{"prompt_token_ids": [...]}``, ``{"messages": [...]}`` (chat,
+    images as bytes or PIL images; optional ``"chat_template"`` and
+    ``"add_generation_prompt"`` for text chats) or ``{"prompt": str, "images": [...]}``."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, model_path: str | None = None, *,
+                 max_logprobs: int | None = None, max_model_len: int | None = None,
+                 max_prompt_bytes: int | None = None,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST
+                 ) -> None:
+        """``max_logprobs``: the most (prompt) logprobs a request may ask for
+        (vLLM's engine argument; None: up to the vocabulary size).
+
+        ``max_prompt_bytes``: a text prompt (after its chat template) longer
+        than this in UTF-8 bytes is refused before it is tokenized, or, with
+        ``truncate_prompt_tokens``, only a tail that holds those tokens is
+        tokenized. None: ``max_model_len`` times the tokenizer's longest
+        token in bytes (times 3 when it normalizes Unicode), the shortest text
+        that can never fit (no limit while ``max_model_len`` is None; the
+        AsyncEngine sets it). The pixel limits: see mm_processor."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_logprobs = vocab_size if max_logprobs is None else max_logprobs
+        self.max_model_len = max_model_len
+        if max_prompt_bytes is not None and (isinstance(max_prompt_bytes, bool) or
+                                             not isinstance(max_prompt_bytes, int) or
+                                             max_prompt_bytes < 1):
+            raise ValueError(f"max_prompt_bytes must be an integer >= 1, got "
+                             f"{max_prompt_bytes!r}")
+        self._max_prompt_bytes = max_prompt_bytes
+        self._max_token_bytes: int | None = None
+        self.max_image_pixels = max_image_pixels
+        self.max_image_pixels_per_request = max_image_pixels_per_request
+        self._model_path = model_path
+        self._mm_processor = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, vocab_size: int | None = None,
+                        trust_remote_code: bool = False, tokenizer: str | None = None,
+                        revision: str | None = None, chat_template: str | None = None,
+                        max_logprobs: int | None = None, **limits: Any) -> InputProcessor:
+        """``tokenizer``: another folder or hub id for the tokenizer (default:
+        ``path`` at ``revision``); ``chat_template`` replaces the tokenizer's own;
+        ``limits``: ``__init__``'s max_model_len, max_prompt_bytes and pixel limits."""
+        from transformers import AutoTokenizer
+
+        from tokenbudget.core.utils.model_source import load_config, load_or_explain
+
+        # revision names a version of the model's repository, not of another tokenizer's.
+        source, tok_revision = (path, revision) if tokenizer is None else (tokenizer, None)
+        tok = load_or_explain(
+            lambda: AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                                  revision=tok_revision),
+            source, what="tokenizer", flag="--tokenizer" if tokenizer else "--model",
+            revision=tok_revision)
+        if chat_template is not None:
+            tok.chat_template = chat_template
+        if vocab_size is None:
+            config = load_config(path, revision=revision, trust_remote_code=trust_remote_code)
+            vocab_size = config.get_text_config().vocab_size
+        return cls(tok, vocab_size, path, max_logprobs=max_logprobs, **limits)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def process(self, prompt: Prompt, truncate_prompt_tokens: int | None = None
+                ) -> tuple[list[int], list[MultiModalFeature]]:
+        token_ids, features = self._tokenize(prompt, truncate_prompt_tokens)
+        if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
+            token_ids, features = _keep_last(token_ids, features, truncate_prompt_tokens)
+        self.validate(token_ids)
+        return token_ids, features
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Check ``params``' token ids against the vocabulary and tokenize its
+        bad words; returns the params to use (a copy when something was added)."""
+        vocab = self.vocab_size
+        ids = {"stop_token_ids": params.stop_token_ids,
+               "logit_bias": list(params.logit_bias or ()),
+               "allowed_token_ids": params.allowed_token_ids or ()}
+        for i, seq in enumerate(params.bad_words_token_ids or ()):
+            ids[f"bad_words_token_ids[{i}]"] = seq
+        for name, values in ids.items():
+            bad = next((t for t in values if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the model's vocabulary "
+                                 f"[0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {value}")
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}, the "
+                                 f"server's limit), got {value}")
+        if not params.bad_words:
+            return params
+        sequences = list(params.bad_words_token_ids or [])
+        for word in params.bad_words:
+            # Like vLLM: the word as is and after a space (most BPEs fold a
+            # leading space into the first token, so both forms are banned).
+            for text in (word.lstrip(), " " + word.lstrip()):
+                seq = self.tokenizer.encode(text, add_special_tokens=False)
+                if seq and seq not in sequences:
+                    sequences.append(seq)
+        return dataclasses.replace(params, bad_words_token_ids=sequences or None)
+
+    # -- prompt length before tokenizing ----------------------------------------------
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The prompt bytes tokenized at most (see __init__); None: no limit."""
+        if self._max_prompt_bytes is not None:
+            return self._max_prompt_bytes
+        if self.max_model_len is None:
+            return None
+        return self.max_model_len * self.max_token_bytes
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for (times 3 when
+        the tokenizer normalizes Unicode): computed once, on first use."""
+        if self._max_token_bytes is None:
+            tok = self.tokenizer
+            pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+            # A piece of a byte-level UTF-8 character decodes to U+FFFD (3
+            # bytes): an overestimate, which only raises the limit.
+            longest = max((len(p.encode()) for p in pieces), default=1)
+            backend = getattr(tok, "backend_tokenizer", None)
+            normalizes = backend is None or backend.normalizer is not None
+            self._max_token_bytes = max(longest, 1) * (_NORMALIZER_SHRINK if normalizes else 1)
+        return self._max_token_bytes
+
+    def _encode(self, text: str, field: str, truncate_prompt_tokens: int | None = None,
+                add_special_tokens: bool = False) -> list[int]:
+        """Tokenize a prompt text, refusing one too long to tokenize (or, with
+        truncate_prompt_tokens, tokenizing only a tail that holds them)."""
+        limit = self.max_prompt_bytes
+        # UTF-8 takes at most 4 bytes a character: most texts pass without encoding.
+        if limit is None or len(text) * 4 <= limit or len(text.encode()) <= limit:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if truncate_prompt_tokens is None:
+            raise ValueError(
+                f"{field}: the prompt is {len(text.encode())} bytes, more than max_prompt_bytes="
+                f"{limit} (it cannot fit in max_model_len={self.max_model_len} tokens; set "
+                "truncate_prompt_tokens to keep its end)" if self._max_prompt_bytes is None else
+                f"{field}: the prompt is {len(text.encode())} bytes, more than max_prompt_bytes="
+                f"{limit} (the server's limit; set truncate_prompt_tokens to keep its end)")
+        # A tail of c characters holds at least c / max_token_bytes tokens.
+        keep = min(truncate_prompt_tokens, self.max_model_len or truncate_prompt_tokens)
+        tail = text[-(keep + _TAIL_SLACK_TOKENS) * self.max_token_bytes:]
+        return self.tokenizer.encode(tail, add_special_tokens=False)
+
+    def _tokenize(self, prompt: Prompt, truncate_prompt_tokens: int | None = None
+                  ) -> tuple[list[int], list[MultiModalFeature]]:
+        if isinstance(prompt, str):
+            return self._encode(prompt, "prompt", truncate_prompt_tokens,
+                                add_special_tokens=True), []
+        if not isinstance(prompt, dict):
+            raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            if truncate_prompt_tokens is None and self.max_model_len is not None and \
+                    len(ids) > self.max_model_len:
+                raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, more "
+                                 f"than max_model_len={self.max_model_len}")
+            return list(ids), []
+        if "messages" in prompt:
+            messages = prompt["messages"]
+            if _has_images(messages):
+                return self.mm_processor.process_messages(messages)
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, chat_template=prompt.get("chat_template"),
+                add_generation_prompt=prompt.get("add_generation_prompt", True))
+            return self._encode(text, "messages", truncate_prompt_tokens), []
+        if "prompt" in prompt:
+            images = prompt.get("images") or []
+            if images:
+                return self.mm_processor.process_prompt(prompt["prompt"], images)
+            return self._tokenize(prompt["prompt"], truncate_prompt_tokens)
+        raise ValueError("prompt dict needs one of 'prompt_token_ids', 'messages' or 'prompt'; "
+                         f"got keys {sorted(prompt)}")
+
+    @property
+    def mm_processor(self):
+        if self._mm_processor is None:
+            from tokenbudget.server.engine.mm_processor import MultiModalProcessor
+
+            if self._model_path is None:
+                raise ValueError("images need an InputProcessor made by from_pretrained")
+            # Images cannot be cut by truncation: their prompts are never tokenized in part.
+            self._mm_processor = MultiModalProcessor.from_pretrained(
+                self._model_path, max_image_pixels=self.max_image_pixels,
+                max_image_pixels_per_request=self.max_image_pixels_per_request,
+                encode=self._encode)
+        return self._mm_processor
+
+    def validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is not an integer in "
+                                 f"[0, {self.vocab_size}) (the model's vocabulary)")
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens,
+                                      spaces_between_special_tokens)
+
+
+def _keep_last(token_ids: list[int], features: list[MultiModalFeature], k: int
+               ) -> tuple[list[int], list[MultiModalFeature]]:
+    """truncate_prompt_tokens: the last ``k`` tokens; an image may not be cut."""
+    cut = len(token_ids) - k
+    kept = []
+    for f in features:
+        if f.offset < cut:
+            raise ValueError(f"truncate_prompt_tokens={k} would cut image {f.mm_hash} out of "
+                             f"the prompt ({len(token_ids)} tokens); keep more tokens")
+        kept.append(dataclasses.replace(f, offset=f.offset - cut))
+    return token_ids[cut:], kept
+
+
+def _has_images(messages: Any) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+               for m in messages)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a stream of token ids, never splitting a UTF-8 character.
+
+    A byte-level token may hold part of a character; such tails are held back
+    until a later token completes them (``flush`` gives them as they are at
+    the end). Fast tokenizers use the tokenizers library's ``DecodeStream``
+    (about 10x cheaper per token than re-decoding a window); others decode a
+    short window from ``prefix_offset``.
+
+    ``spaces_between_special_tokens`` has the meaning transformers' slow
+    tokenizers gave it (fast ones ignore it): added tokens (special or not,
+    unless skipped) and the runs of ordinary tokens between them are decoded
+    separately and joined with single spaces.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._deltas: list[str] = []
+        # Token id -> its text, for the added tokens that split segments.
+        self._added = _added_tokens(tokenizer, skip_special_tokens) \
+            if spaces_between_special_tokens else {}
+        self._joined_any = False  # a sub-text was emitted: the next one needs a space
+        self._segment_start = 0   # first id of the current run of ordinary tokens
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        self._new_segment()
+
+    def _new_segment(self) -> None:
+        self._segment_start = len(self.token_ids)
+        self._prefix_offset = self._read_offset = self._segment_start
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly completed text (maybe empty)."""
+        parts = []
+        for token in token_ids:
+            if token in self._added:
+                parts.append(self._take_pending())
+                parts.append((" " if self._joined_any else "") + self._added[token])
+                self._joined_any = True
+                self.token_ids.append(token)
+                self._new_segment()
+                continue
+            if len(self.token_ids) == self._segment_start:
+                if self._joined_any:
+                    parts.append(" ")  # a run of ordinary tokens after an added token
+                self._joined_any = bool(self._added)
+            self.token_ids.append(token)
+            if self._stream is None:
+                parts.append(self._window_delta())
+            else:
+                piece = self._stream.step(self._backend, token)
+                if piece:
+                    parts.append(piece)
+                    self._read_offset = len(self.token_ids)
+        delta = "".join(parts)
+        self._deltas.append(delta)
+        return delta
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far."""
+        return "".join(self._deltas)
+
+    def _window_delta(self) -> str:
+        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever was held back, as is."""
+        delta = self._take_pending()
+        self._deltas.append(delta)
+        return delta
+
+    def _take_pending(self) -> str:
+        if self._read_offset == len(self.token_ids):
+            return ""
+        # Decode from the run's start so context-dependent decoders (a leading
+        # space stripped at the start) see what the full decode sees.
+        start = self._segment_start if self._stream is not None else self._prefix_offset
+        prefix = self._decode(self.token_ids[start:self._read_offset])
+        delta = self._decode(self.token_ids[start:])[len(prefix):]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return delta
+
+
+def _added_tokens(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
+    """Added tokens that stand as sub-texts of their own (special ones only
+    when they are not skipped)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {i: t.content for i, t in added.items()
+            if not (skip_special_tokens and getattr(t, "special", False))}

@@ -1,0 +1,76 @@
+"""A prompt and its SamplingParams as the engine's Requests: one per sample.
+
+Shared by the offline ``LLM`` and the gRPC services so both build requests
+the same way (vocabulary checks, bad words, truncation, EOS ids, ``n``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
+from tokenbudget.core.request import Request
+from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.server.engine.input_processor import InputProcessor, Prompt
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of sample ``index`` of ``n`` (the request's own id when n = 1)."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
+                   params: SamplingParams, *, eos_token_ids: list[int] | None = None,
+                   **request_options) -> list[Request]:
+    """The Requests of ``params.n`` samples of ``prompt``, in sample order.
+
+    Samples share the prompt's KV through the prefix cache: the first one to
+    be scheduled computes it, the others find its full blocks already cached
+    (in the same step too: its blocks are registered when allocated, and a
+    step writes every token's KV before attending). Sample i draws from seed
+    ``seed + i``, so each is reproducible on its own. Prompt logprobs are
+    computed by sample 0 only. ``request_options`` are Request's own keywords
+    (priority, cache_salt, tenant, ttft_ms, tpot_ms), the same for every sample.
+
+    ``max_tokens`` beyond what the context leaves (``max_model_len`` minus
+    the prompt's tokens) is clamped to it, as vLLM does: such a request
+    ends with finish reason "length" there anyway, and the clamped value is
+    what the scheduler's admission reserve plans for. ``min_tokens`` is
+    clamped with it.
+    """
+    try:
+        params = processor.check_params(params)
+    except ValueError as exc:
+        raise ValueError(f"sampling_params.{exc}") from None
+    token_ids, features = processor.process(prompt, params.truncate_prompt_tokens)
+    if processor.max_model_len is not None:
+        room = max(processor.max_model_len - len(token_ids), 1)
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room,
+                                         min_tokens=min(params.min_tokens, room))
+    eos, *more_eos = eos_token_ids or [None]
+    if more_eos and not params.ignore_eos:
+        # Request holds one EOS id; the checkpoint's others stop like stop tokens.
+        params = dataclasses.replace(
+            params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
+    n = params.n
+    samples = [params] if n == 1 else [
+        dataclasses.replace(params, n=1,
+                            seed=None if params.seed is None else params.seed + i,
+                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+        for i in range(n)]
+    return [Request(sample_request_id(request_id, i, n), token_ids, p, eos_token_id=eos,
+                    mm_features=features, **request_options)
+            for i, p in enumerate(samples)]
+
+
+def build_pooling_request(processor: InputProcessor, request_id: str, prompt: Prompt,
+                          params: PoolingParams | None, pooler_config: PoolerConfig,
+                          **request_options) -> Request:
+    """The Request of an embedding: ``params`` (None: the model's defaults)
+    resolved against ``pooler_config``."""
+    if params is not None and not isinstance(params, PoolingParams):
+        raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+    resolved = (params or PoolingParams()).resolve(pooler_config)
+    token_ids, features = processor.process(prompt)
+    return Request(request_id, token_ids, None, mm_features=features, pooling_params=resolved,
+                   **request_options)
