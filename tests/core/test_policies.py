@@ -318,7 +318,8 @@ def test_queue_limit_with_priority_evicts_the_worst_for_a_better_newcomer(
 def test_eviction_notice_is_returned_by_the_next_engine_step(make_request):
     from concurrent.futures import Future
 
-    from tokenbudget.core import CacheConfig, EngineCore, ModelRunnerOutput
+    from tokenbudget.core import CacheConfig, ModelRunnerOutput
+    from tokenbudget.server.engine.core import EngineCore
 
     class IdleExecutor:
         def initialize(self, cache_config, scheduler_config):
