@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scheduler overhead with a fake model (DESIGN.md §7).
+"""Scheduler overhead with a fake model (README.md, Benchmarks).
 
 The fake model emits one token per request whose prefill is complete, so the
 numbers are the scheduler's own cost: schedule() and update_from_output().

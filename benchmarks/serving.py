@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serving benchmarks against the gRPC server (DESIGN.md §7).
+"""Serving benchmarks against the gRPC server (README.md, Benchmarks).
 
     # load generator against a running server
     python benchmarks/serving.py load --target localhost:50051 --num-requests 200 \\
