@@ -62,7 +62,7 @@ def _per_token_us(fn, ids: list[int], repeat: int) -> float:
 def _identical(tokenizer, slow, streams: int = 300) -> bool:
     """DecodeStream, the window path and a full decode give the same text on random ids
     (byte fragments, specials), fed one by one or in bursts."""
-    from tokenbudget.server.engine.input_processor import IncrementalDetokenizer
+    from tokenbudget.server.engine.detokenizer import IncrementalDetokenizer
 
     rng = random.Random(1)
     for _ in range(streams):
@@ -84,7 +84,7 @@ def _identical(tokenizer, slow, streams: int = 300) -> bool:
 
 def measure(tokenizer, name: str, num_tokens: int, repeat: int) -> dict:
     from tokenbudget.core import RequestOutput, SamplingParams
-    from tokenbudget.server.engine.input_processor import IncrementalDetokenizer
+    from tokenbudget.server.engine.detokenizer import IncrementalDetokenizer
     from tokenbudget.server.engine.output_processor import SampleState
 
     ids = _token_stream(tokenizer, num_tokens)

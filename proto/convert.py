@@ -1,4 +1,8 @@
-"""The one place where engine dataclasses become protobuf and back.
+"""Engine dataclasses to protobuf and back, statelessly: values and tensors,
+sampling, structured-output and pooling params, configs, KV events, and the
+int32 arrays the worker protocol packs ids into. The step stream (a
+SchedulerOutput or ModelRunnerOutput per step, with request handles) is
+proto/step_stream.py.
 
 Tensors (multimodal pixel values, grammar bitmasks) travel as raw bytes plus
 dtype and shape; torch is imported only when a tensor is actually met, so the
@@ -6,23 +10,20 @@ scheduler side (core) stays torch-free.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import struct
 import sys
 from array import array
+from collections.abc import Collection, Mapping
 from itertools import chain, compress, islice, repeat
 from numbers import Integral, Real
-from operator import itemgetter
-from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.failures import RequestFailure
 from tokenbudget.core.spec_config import SpeculativeConfig
-from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      PromptLogprobs, SchedulerOutput)
 from tokenbudget.core.pooling_params import PoolingParams
-from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import (STRUCTURED_KINDS, SamplingParams,
                                               StructuredOutputParams)
 from tokenbudget.core.kv.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -192,9 +193,10 @@ _CACHE_FIELDS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization"
                  "kv_load_blocks_per_step", "enable_kv_cache_events")
 _CACHE_OPTIONAL = ("num_blocks", "kv_cache_memory_bytes", "kv_offload_memory_bytes",
                    "num_offload_blocks")
-_SCHED_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                 "long_prefill_token_threshold", "policy", "encoder_compute_budget",
-                 "encoder_cache_size", "async_scheduling")
+# The SchedulerConfig fields worker.proto's SchedulerConfig carries as scalars
+# (the worker sizes its buffers by them; speculative_config is a message of its own).
+_SCHED_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerConfig) if f.name in {
+    d.name for d in worker_pb2.SchedulerConfig.DESCRIPTOR.fields if d.message_type is None})
 _SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
@@ -251,13 +253,6 @@ def _i32_list(data: bytes) -> list[int]:
     if _BIG_ENDIAN:  # pragma: no cover
         a.byteswap()
     return a.tolist()
-
-
-def _pick(table, keys: list) -> Sequence:
-    """[table[k] for k in keys], at C speed (a tuple when more than one)."""
-    if len(keys) > 1:
-        return itemgetter(*keys)(table)
-    return [table[k] for k in keys]
 
 
 _INDEX: list[int] = list(range(1024))
@@ -360,315 +355,7 @@ def kv_event_batch_from_proto(msg: generate_pb2.KvEventBatch) -> KVEventBatch:
     return KVEventBatch(msg.seq, events, msg.snapshot, msg.num_dropped)
 
 
-# -- SchedulerOutput (stateful: request handles) ----------------------------------------
-
-
-class SchedulerOutputEncoder:
-    """Engine side of the ExecuteModel stream: SchedulerOutput -> protobuf.
-
-    Gives each request a small int handle the first time it is sent (see
-    worker.proto) and names it by that handle afterwards. One encoder feeds
-    every worker of an executor; each worker stream has its own decoder, and
-    messages must reach it in the order they were encoded.
-    """
-
-    def __init__(self) -> None:
-        self._handles: dict[str, int] = {}
-        self._free: list[int] = []  # retired handles, reused from the next step on
-        self._next = 0
-        # Steady decode steps repeat the last step's cached requests: reuse their handles.
-        self._last_cached_ids: list[str] | None = None
-        self._last_cached_handles = b""
-        self._last_counts: list[int] = []
-        self._last_counts_bytes = b""
-        # The last step's scheduled order: a step repeating it and its counts
-        # is sent as such (repeats_last_step in worker.proto).
-        self._last_order: list[str] | None = None
-
-    def encode(self, so: SchedulerOutput, step_id: int = 0) -> worker_pb2.SchedulerOutput:
-        msg = self._encode_repeat(so, step_id)
-        if msg is not None:
-            return msg
-        msg = self._encode_full(so, step_id)
-        nst = so.num_scheduled_tokens
-        self._last_order = list(nst) if nst else None
-        return msg
-
-    def _encode_repeat(self, so: SchedulerOutput, step_id: int,
-                       ) -> worker_pb2.SchedulerOutput | None:
-        """The message of a steady step (see repeats_last_step), or None when
-        ``so`` is not one: the hot path."""
-        cached = so.scheduled_cached_reqs
-        nst = so.num_scheduled_tokens
-        if (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
-                or so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs
-                or so.free_encoder_mm_hashes or so.grammar_bitmask is not None
-                or so.structured_req_ids or cached.resumed_token_ids or not nst
-                or so.kv_swap_out or so.kv_swap_in
-                or cached.req_ids != self._last_order or list(nst) != cached.req_ids
-                or list(nst.values()) != self._last_counts):
-            return None
-        msg = worker_pb2.SchedulerOutput(
-            step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-            num_common_prefix_blocks=so.num_common_prefix_blocks, repeats_last_step=True)
-        # Fields are set in place: nested constructor arguments would be copied.
-        out = msg.scheduled_cached_reqs
-        out.num_computed_tokens = _i32(cached.num_computed_tokens)
-        lists = cached.new_block_ids
-        if any(lists):
-            _ragged_to_proto(lists, out.new_block_ids)
-        else:  # decode steps between block boundaries
-            blocks = out.new_block_ids
-            blocks.num_lists = len(lists)
-            blocks.sparse = True
-        return msg
-
-    def _encode_full(self, so: SchedulerOutput, step_id: int) -> worker_pb2.SchedulerOutput:
-        msg = worker_pb2.SchedulerOutput(
-            step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-            num_common_prefix_blocks=so.num_common_prefix_blocks)
-        # Every field below is skipped when empty: decode steps send few.
-        finished = self._retire(so.finished_req_ids, msg) if so.finished_req_ids else ()
-        if so.preempted_req_ids:
-            handles = self._handles
-            msg.preempted_handles = _i32([handles[r] for r in so.preempted_req_ids
-                                          if r in handles])
-            msg.preempted_unsent_req_ids.extend(r for r in so.preempted_req_ids
-                                                if r not in handles)
-        if so.free_encoder_mm_hashes:
-            msg.free_encoder_mm_hashes.extend(so.free_encoder_mm_hashes)
-        new_ids = []
-        for r in so.scheduled_new_reqs:
-            _new_request_to_proto(r, self._assign(r.req_id), msg.scheduled_new_reqs.add())
-            new_ids.append(r.req_id)
-        cached = so.scheduled_cached_reqs
-        if cached.req_ids:
-            out = msg.scheduled_cached_reqs
-            if cached.req_ids != self._last_cached_ids:
-                self._last_cached_ids = list(cached.req_ids)
-                self._last_cached_handles = _i32(self._lookup(cached.req_ids))
-            out.handles = self._last_cached_handles
-            _ragged_to_proto(cached.new_block_ids, out.new_block_ids)
-            out.num_computed_tokens = _i32(cached.num_computed_tokens)
-            self._id_lists_to_proto(cached.resumed_token_ids, out.resumed_token_ids)
-        nst = so.num_scheduled_tokens
-        if nst:
-            if list(nst) != (cached.req_ids + new_ids if new_ids else cached.req_ids):
-                msg.scheduled_handles = _i32(self._lookup(list(nst)))
-            counts = list(nst.values())
-            if counts != self._last_counts:  # decode steps: all ones, step after step
-                self._last_counts, self._last_counts_bytes = counts, _i32(counts)
-            msg.num_scheduled_tokens = self._last_counts_bytes
-        self._id_lists_to_proto(so.scheduled_spec_decode_tokens, msg.scheduled_spec_decode_tokens)
-        self._id_lists_to_proto(so.scheduled_encoder_inputs, msg.scheduled_encoder_inputs)
-        if so.grammar_bitmask is not None:
-            tensor_to_proto(so.grammar_bitmask, msg.grammar_bitmask)
-        if so.structured_req_ids:
-            msg.structured_handles = _i32(self._lookup(so.structured_req_ids))
-        if so.kv_swap_out:
-            msg.kv_swap_out = _i32(list(chain.from_iterable(so.kv_swap_out)))
-        if so.kv_swap_in:
-            msg.kv_swap_in = _i32(list(chain.from_iterable(so.kv_swap_in)))
-        self._free.extend(finished)  # reusable from the next step on
-        return msg
-
-    def _retire(self, req_ids: set[str], msg: worker_pb2.SchedulerOutput) -> list[int]:
-        """Take the finished requests' handles away before new requests get
-        theirs, so a new request reusing a finished id in the same step gets a
-        fresh handle. Ids never sent have no handle and go by name."""
-        finished = []
-        for r in req_ids:
-            h = self._handles.pop(r, None)
-            if h is None:
-                msg.finished_unsent_req_ids.append(r)
-            else:
-                finished.append(h)
-        if finished:
-            msg.finished_handles = _i32(finished)
-            self._last_cached_ids = None  # a retired handle may come back for another id
-        return finished
-
-    def _assign(self, req_id: str) -> int:
-        handle = self._handles.get(req_id)
-        if handle is None:
-            if self._free:
-                handle = self._free.pop()
-            else:
-                handle, self._next = self._next, self._next + 1
-            self._handles[req_id] = handle
-        return handle
-
-    def _lookup(self, req_ids: list[str]) -> Sequence[int]:
-        try:
-            return _pick(self._handles, req_ids)
-        except KeyError as exc:
-            raise ValueError(f"request {exc.args[0]!r} has no handle: it was never sent to "
-                             "the worker as a new request, or it finished") from None
-
-    def _id_lists_to_proto(self, d: dict[str, list[int]], out) -> None:
-        for key, ids in d.items():
-            out[self._lookup([key])[0]].ids.extend(ids)
-
-
-class SchedulerOutputDecoder:
-    """Worker side of one ExecuteModel stream: protobuf -> SchedulerOutput.
-    Keeps handle -> request id for the requests the stream has announced.
-
-    The output is read-only: rows of ``new_block_ids`` without new blocks
-    share one empty list (a steady decode step would otherwise allocate one
-    list per running request, and the garbage collector's passes with them),
-    and a step repeating the last one's requests and counts gets the same
-    ``req_ids`` list and ``num_scheduled_tokens`` dict as that step.
-    """
-
-    def __init__(self) -> None:
-        self._ids: list[str | None] = []
-        # Steady decode steps repeat the last step's requests and counts: they
-        # get the last step's list and dict again. Keyed by the wire bytes.
-        self._last_handles = b""
-        self._last_req_ids: list[str] = []
-        self._last_nst_key: tuple[bytes, ...] | None = None
-        self._last_nst: dict[str, int] = {}
-        # The last step's scheduled order (list(self._last_nst)), for a step
-        # that repeats it; None until a step was decoded.
-        self._last_order: list[str] | None = None
-
-    def decode(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
-        if msg.repeats_last_step:
-            return self._decode_repeat(msg)
-        so = self._decode_full(msg)
-        nst = so.num_scheduled_tokens
-        if not nst:
-            self._last_order = None
-        elif so.scheduled_new_reqs or list(nst) != so.scheduled_cached_reqs.req_ids:
-            self._last_order = list(nst)
-        else:  # the cached requests' list: a repeat then shares it
-            self._last_order = so.scheduled_cached_reqs.req_ids
-        return so
-
-    def _decode_repeat(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
-        order = self._last_order
-        if order is None:
-            raise ValueError("a step repeats the last step's requests, but the stream has "
-                             "no last step with requests")
-        c = msg.scheduled_cached_reqs
-        return SchedulerOutput(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=order,
-                new_block_ids=_ragged_from_proto(c.new_block_ids, share_empty=True),
-                num_computed_tokens=_i32_list(c.num_computed_tokens)),
-            num_scheduled_tokens=self._last_nst,
-            total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-            num_common_prefix_blocks=msg.num_common_prefix_blocks)
-
-    def _decode_full(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
-        # Fields are tested before they are converted: decode steps send few.
-        finished_handles = _i32_list(msg.finished_handles) if msg.finished_handles else []
-        finished = set(self._names(finished_handles))
-        if msg.finished_unsent_req_ids:
-            finished.update(msg.finished_unsent_req_ids)
-        preempted = set()
-        if msg.preempted_handles or msg.preempted_unsent_req_ids:
-            preempted.update(self._names(_i32_list(msg.preempted_handles)))
-            preempted.update(msg.preempted_unsent_req_ids)
-        if msg.scheduled_new_reqs or finished_handles:
-            self._last_handles, self._last_nst_key = b"", None  # handles change hands
-        new_reqs = [self._new_request_from_proto(m) for m in msg.scheduled_new_reqs]
-        c = msg.scheduled_cached_reqs
-        handles = c.handles
-        if handles and handles == self._last_handles:
-            req_ids = self._last_req_ids
-        else:
-            req_ids = self._names(_i32_list(handles))
-            self._last_handles, self._last_req_ids = handles, req_ids
-        cached = CachedRequestData(
-            req_ids=req_ids,
-            new_block_ids=_ragged_from_proto(c.new_block_ids, share_empty=True),
-            num_computed_tokens=_i32_list(c.num_computed_tokens),
-            resumed_token_ids=self._id_lists_from_proto(c.resumed_token_ids),
-        )
-        so = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=self._num_scheduled_tokens(msg, cached.req_ids, new_reqs),
-            total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-            scheduled_spec_decode_tokens=self._id_lists_from_proto(
-                msg.scheduled_spec_decode_tokens),
-            scheduled_encoder_inputs=self._id_lists_from_proto(msg.scheduled_encoder_inputs),
-            num_common_prefix_blocks=msg.num_common_prefix_blocks,
-            finished_req_ids=finished,
-            preempted_req_ids=preempted,
-            free_encoder_mm_hashes=(list(msg.free_encoder_mm_hashes)
-                                    if msg.free_encoder_mm_hashes else []),
-            grammar_bitmask=(tensor_from_proto(msg.grammar_bitmask)
-                             if msg.HasField("grammar_bitmask") else None),
-            structured_req_ids=(self._names(_i32_list(msg.structured_handles))
-                                if msg.structured_handles else []),
-            kv_swap_out=_pairs(msg.kv_swap_out) if msg.kv_swap_out else [],
-            kv_swap_in=_pairs(msg.kv_swap_in) if msg.kv_swap_in else [],
-        )
-        for h in finished_handles:
-            self._ids[h] = None
-        return so
-
-    def _num_scheduled_tokens(self, msg: worker_pb2.SchedulerOutput, cached_ids: list[str],
-                              new_reqs: list[NewRequestData]) -> dict[str, int]:
-        key = (msg.scheduled_cached_reqs.handles, msg.scheduled_handles,
-               msg.num_scheduled_tokens)
-        if not new_reqs and key == self._last_nst_key:
-            return self._last_nst
-        order = (self._names(_i32_list(msg.scheduled_handles)) if msg.scheduled_handles
-                 else cached_ids + [r.req_id for r in new_reqs])
-        nst = dict(zip(order, _i32_list(msg.num_scheduled_tokens)))
-        self._last_nst_key, self._last_nst = (None if new_reqs else key), nst
-        return nst
-
-    def _names(self, handles: list[int]) -> list[str]:
-        try:
-            return list(_pick(self._ids, handles))
-        except IndexError:
-            raise ValueError(f"a step names request handles {handles} the stream never "
-                             "announced") from None
-
-    def _id_lists_from_proto(self, m) -> dict[str, list[int]]:
-        if not m:
-            return {}
-        return {self._names([h])[0]: list(v.ids) for h, v in m.items()}
-
-    def _new_request_from_proto(self, m: worker_pb2.NewRequest) -> NewRequestData:
-        ids = self._ids
-        if m.handle >= len(ids):
-            ids.extend([None] * (m.handle + 1 - len(ids)))
-        ids[m.handle] = m.req_id
-        features = [MultiModalFeature(f.mm_hash, f.offset, f.length, value_from_proto(f.data))
-                    for f in m.mm_features]
-        return NewRequestData(
-            req_id=m.req_id, prompt_token_ids=_i32_list(m.prompt_token_ids),
-            mm_features=features, sampling_params=sampling_params_from_proto(m.sampling_params),
-            block_ids=_i32_list(m.block_ids), num_computed_tokens=m.num_computed_tokens,
-            lora_id=m.lora_id if m.HasField("lora_id") else None,
-            eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None,
-            pooling_params=(pooling_params_from_proto(m.pooling_params)
-                            if m.HasField("pooling_params") else None))
-
-
-def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewRequest) -> None:
-    out.req_id = r.req_id
-    out.handle = handle
-    out.prompt_token_ids = _i32(r.prompt_token_ids)
-    for f in r.mm_features:
-        fm = out.mm_features.add(mm_hash=f.mm_hash, offset=f.offset, length=f.length)
-        value_to_proto(f.data, fm.data)
-    sampling_params_to_proto(r.sampling_params, out.sampling_params)
-    out.block_ids = _i32(r.block_ids)
-    out.num_computed_tokens = r.num_computed_tokens
-    if r.lora_id is not None:
-        out.lora_id = r.lora_id
-    if r.eos_token_id is not None:
-        out.eos_token_id = r.eos_token_id
-    if r.pooling_params is not None:
-        pooling_params_to_proto(r.pooling_params, out.pooling_params)
+# -- pooling params -----------------------------------------------------------------
 
 
 def pooling_params_to_proto(params: PoolingParams, out: common_pb2.PoolingParams) -> None:
@@ -685,80 +372,16 @@ def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
                          msg.normalize if msg.HasField("normalize") else None)
 
 
-# -- ModelRunnerOutput ------------------------------------------------------------------
+# -- moved ---------------------------------------------------------------------------
+
+# The step-stream codec moved to proto/step_stream.py (which imports this
+# module); these names stay reachable here, looked up on first use, for
+# callers written before the split (tests, benchmarks).
+_MOVED_TO_STEP_STREAM = frozenset({"SchedulerOutputEncoder", "SchedulerOutputDecoder",
+                                   "model_runner_output_to_proto", "ModelRunnerOutputDecoder"})
 
 
-def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
-                                 scheduled_req_ids: list[str] | None = None,
-                                 ) -> worker_pb2.ModelRunnerOutput:
-    """``scheduled_req_ids``: the step's order (list(num_scheduled_tokens));
-    rows in that order are sent without their ids."""
-    msg = worker_pb2.ModelRunnerOutput(step_id=step_id)
-    if out.req_ids != scheduled_req_ids:
-        msg.req_ids.extend(out.req_ids)
-    _ragged_to_proto(out.sampled_token_ids, msg.sampled_token_ids)
-    if out.logprobs is not None:
-        msg.has_logprobs = True
-        for per_req in out.logprobs:
-            rl = msg.logprobs.add(present=per_req is not None)
-            for per_token in per_req or ():
-                rl.tokens.add(token_ids=per_token.keys(), logprobs=per_token.values())
-    if out.pooler_output is not None:
-        msg.has_pooler_output = True
-        for v in out.pooler_output:
-            value_to_proto(v, msg.pooler_output.add())
-    if out.spec_token_ids is not None:
-        msg.has_spec_token_ids = True
-        _ragged_to_proto(out.spec_token_ids, msg.spec_token_ids)
-    for rid, plp in (out.prompt_logprobs or {}).items():
-        entry = msg.prompt_logprobs.add(req_id=rid, start=plp.start)
-        for per_token in plp.entries:
-            entry.entries.add(token_ids=per_token.keys(), logprobs=per_token.values())
-    for rid, failure in (out.failed or {}).items():
-        msg.failed[rid].message = failure.message
-        msg.failed[rid].invalid_argument = failure.invalid_argument
-    return msg
-
-
-class ModelRunnerOutputDecoder:
-    """Engine side: protobuf -> ModelRunnerOutput. Steady decode steps repeat
-    the last step's rows, so they get the last step's req_id_to_index dict
-    again (read-only, like the whole output), not a new one."""
-
-    def __init__(self) -> None:
-        self._last_req_ids: list[str] = []
-        self._last_index: dict[str, int] = {}
-
-    def decode(self, msg: worker_pb2.ModelRunnerOutput,
-               scheduled_req_ids: list[str] | None = None) -> ModelRunnerOutput:
-        """``scheduled_req_ids`` must be what the sender was given (see
-        model_runner_output_to_proto); the output's req_ids is that list."""
-        req_ids = list(msg.req_ids)
-        if not req_ids and msg.sampled_token_ids.num_lists:
-            if scheduled_req_ids is None:
-                raise ValueError("this ModelRunnerOutput omits its req_ids: pass the step's "
-                                 "scheduled_req_ids")
-            req_ids = scheduled_req_ids
-        if req_ids != self._last_req_ids:
-            self._last_req_ids = list(req_ids)  # the caller's list may change later
-            self._last_index = dict(zip(req_ids, range(len(req_ids))))
-        logprobs = None
-        if msg.has_logprobs:
-            logprobs = [[dict(zip(t.token_ids, t.logprobs)) for t in rl.tokens] if rl.present
-                        else None for rl in msg.logprobs]
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index=self._last_index,
-            sampled_token_ids=_ragged_from_proto(msg.sampled_token_ids),
-            logprobs=logprobs,
-            pooler_output=([value_from_proto(v) for v in msg.pooler_output]
-                           if msg.has_pooler_output else None),
-            spec_token_ids=(_ragged_from_proto(msg.spec_token_ids)
-                            if msg.has_spec_token_ids else None),
-            prompt_logprobs={
-                p.req_id: PromptLogprobs(p.start, [dict(zip(t.token_ids, t.logprobs))
-                                                   for t in p.entries])
-                for p in msg.prompt_logprobs} or None,
-            failed={rid: RequestFailure(f.message, f.invalid_argument)
-                    for rid, f in msg.failed.items()} or None,
-        )
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_STEP_STREAM:
+        return getattr(importlib.import_module("tokenbudget.proto.step_stream"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     secret = _secret(args)  # before the slow imports: a refusal is immediate
     import torch
 
-    from tokenbudget.worker.grpc_worker import BindError, serve
+    from tokenbudget.proto.rpc.ports import BindError
+    from tokenbudget.worker.grpc_worker import serve
 
     torch.set_num_threads(args.threads)
     if args.world_size > 1 or args.dist_init:

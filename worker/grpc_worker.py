@@ -14,11 +14,9 @@ abandoned can never touch the new state.
 """
 from __future__ import annotations
 
-import errno
 import gc
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,21 +27,13 @@ import grpc
 
 from tokenbudget.core.failures import describe
 from tokenbudget.core.utils.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
-from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.proto import convert, step_stream, worker_pb2, worker_pb2_grpc
 from tokenbudget.proto.rpc.auth import WorkerSecretInterceptor
+from tokenbudget.proto.rpc.ports import NO_PORT_REUSE, bind_port
 
 logger = logging.getLogger(__name__)
 
 _END = object()
-
-# gRPC turns SO_REUSEPORT on by default: a second server on a taken port would
-# start and split new connections with the first. One owner per port.
-NO_PORT_REUSE = ("grpc.so_reuseport", 0)
-
-
-class BindError(OSError):
-    """A server cannot listen on its address; the message names it and the cause."""
-
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, stop_event: threading.Event | None = None, *,
@@ -114,8 +104,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield worker_pb2.ModelRunnerOutput(step_id=step_id,
                                                    error=describe(exc).message)
                 return
-            yield convert.model_runner_output_to_proto(out, step_id,
-                                                       list(so.num_scheduled_tokens))
+            yield step_stream.model_runner_output_to_proto(out, step_id,
+                                                           list(so.num_scheduled_tokens))
 
     def Health(self, request, context):
         wall = 0.0 if self._first_step is None else time.perf_counter() - self._first_step
@@ -135,7 +125,7 @@ def _local_worker(model: str, dtype: str, device: str, attention_backend: str):
 
 
 def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
-    decoder = convert.SchedulerOutputDecoder()  # this stream's request handles
+    decoder = step_stream.SchedulerOutputDecoder()  # this stream's request handles
     try:
         for msg in request_iterator:
             try:
@@ -171,46 +161,3 @@ def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
     bound = bind_port(server, host, port)
     server.start()
     return server, bound, stop
-
-
-def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
-              credentials: grpc.ServerCredentials | None = None) -> int:
-    """Listen on host:port (0: a free port) with a server built with
-    NO_PORT_REUSE, with TLS when ``credentials`` are given; returns the bound
-    port. Raises BindError naming the address and, when it can be found, the
-    cause ("address already in use")."""
-    check_port_free(host, port)  # the cause, without gRPC's own error log line
-    address = f"{host}:{port}"
-    try:
-        bound = (server.add_insecure_port(address) if credentials is None
-                 else server.add_secure_port(address, credentials))
-    except RuntimeError:  # lost a race for the port; grpc says only "Failed to bind"
-        bound = 0
-    if bound == 0:
-        check_port_free(host, port)
-        raise BindError(f"cannot listen on {host}:{port}")
-    return bound
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise BindError("cannot listen on HOST:PORT: address already in use") when
-    a listening socket holds the address. A probe, not a reservation: call it
-    before slow start-up work so a taken port fails in a second, not after
-    the model has loaded; bind_port stays the authority."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    for family, type_, proto, _, addr in infos:
-        with socket.socket(family, type_, proto) as probe:
-            # As gRPC does: a port left in TIME_WAIT by a closed server is free.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(addr)
-            except OSError as exc:
-                reason = ("address already in use" if exc.errno == errno.EADDRINUSE
-                          else exc.strerror)
-                raise BindError(f"cannot listen on {host}:{port}: {reason}") from None

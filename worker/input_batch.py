@@ -18,6 +18,21 @@ from tokenbudget.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
+class StepInputs:
+    """Host-side inputs of one step (of the requests one run computes), in
+    scheduled order: built by ModelRunner._prepare from the batch rows."""
+
+    req_ids: list[str]
+    rows: np.ndarray          # [B] batch rows
+    query_lens: np.ndarray    # [B]
+    starts: np.ndarray        # [B] num_computed_tokens
+    num_drafts: np.ndarray    # [B]
+    positions: np.ndarray     # [T]
+    input_ids: np.ndarray     # [T]
+    samples: np.ndarray       # [B] bool: this request samples this step
+
+
+@dataclass(slots=True)
 class RequestState:
     """What outlives preemption: sampling state and multimodal inputs."""
 

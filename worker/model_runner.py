@@ -14,7 +14,6 @@ import logging
 import time
 from collections import defaultdict
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,23 +25,20 @@ from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
                                           flash_block_size_warning, kv_cache_bytes_per_block,
                                           resolve_backend)
 from tokenbudget.worker.fault_isolation import StepPart, merge_parts, run_isolating
-from tokenbudget.worker.input_batch import InputBatch, RequestState, TokenHistory
+from tokenbudget.worker.input_batch import InputBatch, RequestState, StepInputs, TokenHistory
+from tokenbudget.worker.kv_cache import (ParallelGroup, blocks_per_request, num_kv_blocks,
+                                         profile_free_memory)
 from tokenbudget.worker.kv_transfer import HostKVCache, num_offload_slots
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.pooler import Pooler
-from tokenbudget.worker.prompt_logprobs import PromptRows
+from tokenbudget.worker.prompt_logprobs import prompt_logprob_rows
 from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
                                         make_generator)
 from tokenbudget.worker.spec_decode import (NgramProposer, SeedRewind, aligned_drafts,
                                             num_accepted)
-from tokenbudget.worker.vision import (EncoderOutput, VisionEncoder, get_mrope_positions,
-                                       is_vision_model, merge_multimodal_embeddings)
+from tokenbudget.worker.vision import VisionInputs, is_vision_model
 
 logger = logging.getLogger(__name__)
-
-# KV cache size on CPU when neither num_blocks nor kv_cache_memory_bytes is set.
-_DEFAULT_CPU_KV_BYTES = 1 << 30
-
 
 class StepOrderError(RuntimeError):
     """Steps reached the runner out of order: the engine's bug, not a request's."""
@@ -52,27 +48,13 @@ class StepOrderError(RuntimeError):
 _FATAL = (MemoryError, torch.OutOfMemoryError, StepOrderError)
 
 
-@dataclass(slots=True)
-class _Step:
-    """Host-side inputs of one step, in scheduled order."""
-
-    req_ids: list[str]
-    rows: np.ndarray          # [B] batch rows
-    query_lens: np.ndarray    # [B]
-    starts: np.ndarray        # [B] num_computed_tokens
-    num_drafts: np.ndarray    # [B]
-    positions: np.ndarray     # [T]
-    input_ids: np.ndarray     # [T]
-    samples: np.ndarray       # [B] bool: this request samples this step
-
-
 class ModelRunner:
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", attention_backend: str = "auto",
                  trust_remote_code: bool = False, revision: str | None = None,
-                 kv_cache_dtype: str = "auto", parallel=None) -> None:
-        """``parallel``: a TensorParallelGroup (worker/parallel/group.py); the
-        model is loaded whole on the host, sharded, then moved to the device."""
+                 kv_cache_dtype: str = "auto", parallel: ParallelGroup | None = None) -> None:
+        """``parallel``: this rank's tensor-parallel group; the model is loaded
+        whole on the host, sharded, then moved to the device."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.model = load_model(model, dtype=dtype, device=self.device if parallel is None
@@ -85,7 +67,7 @@ class ModelRunner:
         check_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.text_config = self.model.config.get_text_config()
         self.attention_backend = resolve_backend(attention_backend, self.device, self.dtype)
-        self.vision = _VisionInputs(self.model) if is_vision_model(self.model) else None
+        self.vision = VisionInputs(self.model) if is_vision_model(self.model) else None
         self.sampler = Sampler()
         self.pooler = Pooler(self.model)
         self.requests: dict[str, RequestState] = {}
@@ -122,19 +104,9 @@ class ModelRunner:
             logger.warning("attention: %s", warning)
         num_layers, num_kv_heads, head_dim = self._kv_shape
         per_block = kv_cache_bytes_per_block(num_layers, bs, num_kv_heads, head_dim, self.dtype)
-        blocks_per_req = -(-(scheduler_config.max_model_len + scheduler_config.num_speculative_tokens
-                             + 1) // bs)
-        num_blocks = cache_config.num_blocks
-        if num_blocks is None:
-            if cache_config.kv_cache_memory_bytes is not None:
-                budget = cache_config.kv_cache_memory_bytes
-            elif self.device.type == "cuda":
-                budget = self._profile_free_memory(cache_config, scheduler_config)
-            else:
-                # Never more than every sequence at full length needs.
-                budget = min(_DEFAULT_CPU_KV_BYTES,
-                             (scheduler_config.max_num_seqs * blocks_per_req + 1) * per_block)
-            num_blocks = budget // per_block
+        num_blocks = num_kv_blocks(
+            cache_config, scheduler_config, per_block, self.device,
+            lambda: self._profile_free_memory(cache_config, scheduler_config))
         if self.parallel is not None:
             num_blocks = self.parallel.min_over_ranks(num_blocks)
         if num_blocks < 2:
@@ -153,35 +125,14 @@ class ModelRunner:
             cache_config.num_offload_blocks = num_slots  # the scheduler's host slots
         self.batch = InputBatch(scheduler_config.max_num_seqs,
                                 scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
-                                blocks_per_req)
+                                blocks_per_request(scheduler_config, bs))
         return int(num_blocks)
 
-    @torch.inference_mode()
     def _profile_free_memory(self, cache_config: CacheConfig,
                              scheduler_config: SchedulerConfig) -> int:
         """GPU bytes left for KV after a forward of a full token budget."""
-        n = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
-        bs = cache_config.block_size
-        num_blocks = -(-n // bs) + 1
-        num_layers, num_kv_heads, head_dim = self._kv_shape
-        caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
-                                    self.dtype, self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        table = np.arange(1, num_blocks, dtype=np.int32)[None]
-        pos = np.arange(n)
-        meta = build_metadata(self.attention_backend, caches, bs, np.array([n]), np.array([n]),
-                              table, table[0, pos // bs].astype(np.int64) * bs + pos % bs,
-                              self.device)
-        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-        self.model(input_ids=ids, position_ids=torch.from_numpy(pos)[None].to(self.device),
-                   paged_attn=meta, use_cache=False, logits_to_keep=1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, meta
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(self.device)
-        return max(int(total * cache_config.gpu_memory_utilization) - peak, 0)
+        return profile_free_memory(self.model, self.attention_backend, self._kv_shape,
+                                   self.dtype, self.device, cache_config, scheduler_config)
 
     # -- state ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -277,7 +228,7 @@ class ModelRunner:
             step.samples &= ~pooling  # pooling requests sample nothing
         meta = self._attention_metadata(step)
         logits_idx = self._logits_indices(step)
-        prompt_rows = self._prompt_logprob_rows(step)
+        prompt_rows = prompt_logprob_rows(step, self.requests, self.batch.token_ids)
         keep = logits_idx if prompt_rows is None else np.concatenate([logits_idx,
                                                                        prompt_rows.packed])
         t1 = time.perf_counter()
@@ -301,7 +252,7 @@ class ModelRunner:
         self.timings["output"] += t4 - t3
         return out
 
-    def _prepare(self, so: SchedulerOutput, req_ids: list[str]) -> _Step:
+    def _prepare(self, so: SchedulerOutput, req_ids: list[str]) -> StepInputs:
         batch = self.batch
         rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
         num_scheduled = so.num_scheduled_tokens
@@ -329,10 +280,10 @@ class ModelRunner:
         offsets = np.repeat(starts - (np.cumsum(query_lens) - query_lens), query_lens)
         positions = np.arange(int(query_lens.sum())) + offsets
         input_ids = batch.token_ids[np.repeat(rows, query_lens), positions]
-        return _Step(req_ids, rows, query_lens, starts, num_drafts, positions, input_ids,
+        return StepInputs(req_ids, rows, query_lens, starts, num_drafts, positions, input_ids,
                      samples=ends >= known)
 
-    def _attention_metadata(self, step: _Step):
+    def _attention_metadata(self, step: StepInputs):
         batch, bs = self.batch, self.block_size
         seq_lens = step.starts + step.query_lens
         rows_rep = np.repeat(step.rows, step.query_lens)
@@ -344,7 +295,7 @@ class ModelRunner:
                               self.device)
 
     @staticmethod
-    def _logits_indices(step: _Step) -> np.ndarray:
+    def _logits_indices(step: StepInputs) -> np.ndarray:
         """Packed-sequence indices whose logits are needed: the last 1 + drafts
         tokens of each sampling request, in scheduled order."""
         ends = np.cumsum(step.query_lens)[step.samples]
@@ -352,29 +303,7 @@ class ModelRunner:
         return np.repeat(ends - counts, counts) + (
             np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
 
-    def _prompt_logprob_rows(self, step: _Step) -> PromptRows | None:
-        """The packed rows whose logits give this step's prompt logprobs: the
-        logits at prompt position j predict prompt token j + 1."""
-        rows = None
-        first_rows = None
-        for i, rid in enumerate(step.req_ids):
-            state = self.requests[rid]
-            num_top = state.sampling_params.prompt_logprobs
-            if num_top is None:
-                continue
-            start = int(step.starts[i])
-            end = min(start + int(step.query_lens[i]), state.num_prompt_tokens - 1)
-            if start >= end:
-                continue
-            if rows is None:
-                rows = PromptRows()
-                first_rows = np.cumsum(step.query_lens) - step.query_lens
-            first = int(first_rows[i])
-            rows.add(rid, start + 1, num_top, np.arange(first, first + end - start),
-                     self.batch.token_ids[step.rows[i], start + 1:end + 1])
-        return rows
-
-    def _forward(self, so: SchedulerOutput, step: _Step, meta, logits_idx: np.ndarray):
+    def _forward(self, so: SchedulerOutput, step: StepInputs, meta, logits_idx: np.ndarray):
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
         keep = torch.from_numpy(logits_idx).to(dev, non_blocking=True)
@@ -385,7 +314,7 @@ class ModelRunner:
                          use_cache=False, logits_to_keep=keep)
         return out.logits[0]
 
-    def _sample(self, so: SchedulerOutput, step: _Step, logits: torch.Tensor):
+    def _sample(self, so: SchedulerOutput, step: StepInputs, logits: torch.Tensor):
         """Returns (request index per logits row, token ids, logprob (ids, values) or None,
         the seeded generators to rewind after verification)."""
         samplers = np.flatnonzero(step.samples)
@@ -412,7 +341,7 @@ class ModelRunner:
             lps = (result.logprobs_token_ids.tolist(), result.logprobs.tolist())
         return row_req, ids, lps, rewind
 
-    def _token_history(self, step: _Step, row_req: np.ndarray,
+    def _token_history(self, step: StepInputs, row_req: np.ndarray,
                        states: list[RequestState]) -> TokenHistory:
         """What each logits row has seen: row t of a request verifying drafts has seen the
         first t of them as output, as if it had sampled them."""
@@ -421,7 +350,7 @@ class ModelRunner:
         num_prompt = np.fromiter((s.num_prompt_tokens for s in states), np.int64, len(states))
         return self.batch.history(step.rows[row_req], num_prompt, num_drafts_seen)
 
-    def _apply_grammar(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray,
+    def _apply_grammar(self, so: SchedulerOutput, step: StepInputs, row_req: np.ndarray,
                        logits: torch.Tensor) -> None:
         """Bitmask rows come per structured request (1 + drafts rows each, in
         structured_req_ids order); map them onto our logits rows."""
@@ -459,7 +388,7 @@ class ModelRunner:
         apply_token_bitmask(rows, torch.from_numpy(bitmask))
         logits.index_copy_(0, dst_t, rows)
 
-    def _collect(self, so: SchedulerOutput, step: _Step, row_req: np.ndarray, ids: list[int],
+    def _collect(self, so: SchedulerOutput, step: StepInputs, row_req: np.ndarray, ids: list[int],
                  lps, rewind: SeedRewind, vocab: int) -> StepPart:
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list | None = None
@@ -509,58 +438,3 @@ class ModelRunner:
         for i, d in zip(samplers.tolist(), proposals):
             drafts[i] = d
         return drafts
-
-
-class _VisionInputs:
-    """The VL part of a step: run the vision tower for the encoder inputs the
-    scheduler listed, cache outputs by mm_hash, merge them into the packed
-    ``inputs_embeds`` and build M-RoPE positions (3 rows per token)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.encoder = VisionEncoder(model)
-        self.cache: dict[str, EncoderOutput] = {}
-
-    def free(self, mm_hashes: list[str]) -> None:
-        for h in mm_hashes:
-            self.cache.pop(h, None)
-
-    def init_positions(self, state: RequestState, prompt_token_ids: list[int]) -> None:
-        positions, delta = get_mrope_positions(self.model, prompt_token_ids, state.mm_features)
-        state.mrope_positions, state.mrope_delta = positions.numpy(), delta
-
-    def forward(self, so: SchedulerOutput, step: _Step, requests: dict[str, RequestState],
-                input_ids: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
-        # Only the images this run's requests show (a re-run over some of the
-        # step's requests must not fail on another request's bad image).
-        shown = {f.mm_hash for rid in step.req_ids for f in requests[rid].mm_features}
-        wanted = [f for rid, idx in so.scheduled_encoder_inputs.items()
-                  for f in (requests[rid].mm_features[i] for i in idx) if f.mm_hash in shown]
-        if wanted:
-            self.cache.update(self.encoder.encode(wanted))
-        states = [requests[rid] for rid in step.req_ids]
-        embeds = self.model.get_input_embeddings()(input_ids)
-        first_rows = np.cumsum(step.query_lens) - step.query_lens
-        segments = [(int(first_rows[i]), int(step.starts[i]),
-                     int(step.starts[i] + step.query_lens[i]), s.mm_features)
-                    for i, s in enumerate(states) if s.mm_features]
-        lm_kwargs = merge_multimodal_embeddings(embeds, segments, self.cache) if segments else {}
-        positions = self._positions(step, states, first_rows).to(input_ids.device)
-        hidden = self.model.model.language_model(
-            inputs_embeds=embeds[None], position_ids=positions[:, None, :], paged_attn=meta,
-            use_cache=False, **lm_kwargs).last_hidden_state
-        return self.model.lm_head(hidden[0].index_select(0, keep))
-
-    @staticmethod
-    def _positions(step: _Step, states: list[RequestState], first_rows: np.ndarray):
-        """Token i past the prompt sits at i + delta on all three rows; prompt
-        tokens of image requests take their precomputed M-RoPE columns."""
-        deltas = np.fromiter((s.mrope_delta for s in states), np.int64, len(states))
-        positions = np.repeat((step.positions + np.repeat(deltas, step.query_lens))[None], 3, 0)
-        for i, s in enumerate(states):
-            start, prompt_end = int(step.starts[i]), s.num_prompt_tokens
-            if s.mm_features and start < prompt_end:
-                n = min(int(step.query_lens[i]), prompt_end - start)
-                row = int(first_rows[i])
-                positions[:, row:row + n] = s.mrope_positions[:, start:start + n]
-        return torch.from_numpy(positions)

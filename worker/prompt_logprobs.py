@@ -1,10 +1,15 @@
 """Prompt logprobs: which packed rows of a step predict which prompt tokens."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from tokenbudget.core.outputs import PromptLogprobs
+
+if TYPE_CHECKING:
+    from tokenbudget.worker.input_batch import RequestState, StepInputs
 
 
 class PromptRows:
@@ -46,3 +51,28 @@ class PromptRows:
             out[rid] = PromptLogprobs(start, entries)
             row += len(packed)
         return out
+
+
+def prompt_logprob_rows(step: StepInputs, requests: dict[str, RequestState],
+                        token_ids: np.ndarray) -> PromptRows | None:
+    """The packed rows whose logits give this step's prompt logprobs: the
+    logits at prompt position j predict prompt token j + 1 (``token_ids``:
+    the batch's rows of token ids)."""
+    rows = None
+    first_rows = None
+    for i, rid in enumerate(step.req_ids):
+        state = requests[rid]
+        num_top = state.sampling_params.prompt_logprobs
+        if num_top is None:
+            continue
+        start = int(step.starts[i])
+        end = min(start + int(step.query_lens[i]), state.num_prompt_tokens - 1)
+        if start >= end:
+            continue
+        if rows is None:
+            rows = PromptRows()
+            first_rows = np.cumsum(step.query_lens) - step.query_lens
+        first = int(first_rows[i])
+        rows.add(rid, start + 1, num_top, np.arange(first, first + end - start),
+                 token_ids[step.rows[i], start + 1:end + 1])
+    return rows

@@ -74,11 +74,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tokenbudget.core.request import MultiModalFeature
+
+if TYPE_CHECKING:
+    from tokenbudget.core.outputs import SchedulerOutput
+    from tokenbudget.worker.input_batch import RequestState, StepInputs
 
 
 def is_vision_model(model: torch.nn.Module) -> bool:
@@ -212,3 +217,58 @@ def merge_multimodal_embeddings(
     mask[torch.cat(rows)] = True
     per_layer = [torch.cat(layer).to(device, inputs_embeds.dtype) for layer in zip(*deepstack)]
     return {"visual_pos_masks": mask[None], "deepstack_visual_embeds": per_layer}
+
+
+class VisionInputs:
+    """The VL part of a step: run the vision tower for the encoder inputs the
+    scheduler listed, cache outputs by mm_hash, merge them into the packed
+    ``inputs_embeds`` and build M-RoPE positions (3 rows per token)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.encoder = VisionEncoder(model)
+        self.cache: dict[str, EncoderOutput] = {}
+
+    def free(self, mm_hashes: list[str]) -> None:
+        for h in mm_hashes:
+            self.cache.pop(h, None)
+
+    def init_positions(self, state: RequestState, prompt_token_ids: list[int]) -> None:
+        positions, delta = get_mrope_positions(self.model, prompt_token_ids, state.mm_features)
+        state.mrope_positions, state.mrope_delta = positions.numpy(), delta
+
+    def forward(self, so: SchedulerOutput, step: StepInputs, requests: dict[str, RequestState],
+                input_ids: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
+        # Only the images this run's requests show (a re-run over some of the
+        # step's requests must not fail on another request's bad image).
+        shown = {f.mm_hash for rid in step.req_ids for f in requests[rid].mm_features}
+        wanted = [f for rid, idx in so.scheduled_encoder_inputs.items()
+                  for f in (requests[rid].mm_features[i] for i in idx) if f.mm_hash in shown]
+        if wanted:
+            self.cache.update(self.encoder.encode(wanted))
+        states = [requests[rid] for rid in step.req_ids]
+        embeds = self.model.get_input_embeddings()(input_ids)
+        first_rows = np.cumsum(step.query_lens) - step.query_lens
+        segments = [(int(first_rows[i]), int(step.starts[i]),
+                     int(step.starts[i] + step.query_lens[i]), s.mm_features)
+                    for i, s in enumerate(states) if s.mm_features]
+        lm_kwargs = merge_multimodal_embeddings(embeds, segments, self.cache) if segments else {}
+        positions = self._positions(step, states, first_rows).to(input_ids.device)
+        hidden = self.model.model.language_model(
+            inputs_embeds=embeds[None], position_ids=positions[:, None, :], paged_attn=meta,
+            use_cache=False, **lm_kwargs).last_hidden_state
+        return self.model.lm_head(hidden[0].index_select(0, keep))
+
+    @staticmethod
+    def _positions(step: StepInputs, states: list[RequestState], first_rows: np.ndarray):
+        """Token i past the prompt sits at i + delta on all three rows; prompt
+        tokens of image requests take their precomputed M-RoPE columns."""
+        deltas = np.fromiter((s.mrope_delta for s in states), np.int64, len(states))
+        positions = np.repeat((step.positions + np.repeat(deltas, step.query_lens))[None], 3, 0)
+        for i, s in enumerate(states):
+            start, prompt_end = int(step.starts[i]), s.num_prompt_tokens
+            if s.mm_features and start < prompt_end:
+                n = min(int(step.query_lens[i]), prompt_end - start)
+                row = int(first_rows[i])
+                positions[:, row:row + n] = s.mrope_positions[:, start:start + n]
+        return torch.from_numpy(positions)

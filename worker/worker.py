@@ -1,16 +1,12 @@
 """Worker: one model replica with its KV cache, driven step by step."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.worker.kv_cache import ParallelGroup
 from tokenbudget.worker.model_runner import ModelRunner
-
-if TYPE_CHECKING:
-    from tokenbudget.worker.parallel.group import TensorParallelGroup
 
 
 def default_device() -> str:
@@ -24,7 +20,7 @@ class Worker:
                  device: str | torch.device | None = None, attention_backend: str = "auto",
                  trust_remote_code: bool = False, revision: str | None = None,
                  kv_cache_dtype: str = "auto", seed: int | None = None,
-                 parallel: TensorParallelGroup | None = None) -> None:
+                 parallel: ParallelGroup | None = None) -> None:
         """``seed`` seeds torch's global generator, which requests without a
         seed of their own draw from (vLLM's ``seed`` engine argument).
         ``parallel``: this rank's tensor-parallel group (worker/parallel)."""

@@ -1,4 +1,5 @@
-"""A fixed pool of KV blocks with ref counts and an LRU queue of free blocks.
+"""A fixed pool of KV blocks with ref counts and an LRU queue of free blocks:
+one class for both tiers, the device's blocks and the host's slots.
 
 A freed block keeps its hash and stays findable (a prefix-cache hit can
 revive it) until it is popped from the free queue for reuse: eviction is lazy.
@@ -78,27 +79,53 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Blocks 1..num_blocks-1 are usable; block 0 is the null block (padding
-    in block tables), never allocated and never freed."""
+    """The device tier reserves block 0 as the null block (padding in block
+    tables, never allocated and never freed): blocks 1..num_blocks-1 are
+    usable. The host tier reserves none (``reserve_null_block=False``): its
+    slots never appear in a block table, and the worker owns their tensors
+    (worker/kv_transfer.py).
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2, got {num_blocks}")
+    ``on_evict`` is called with a cached block about to lose its hash for
+    reuse: the device tier spills it to the host and reports it (KV events),
+    the host tier reports it. See core/kv/tiering.py."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, *,
+                 reserve_null_block: bool = True,
+                 on_evict: Callable[[KVCacheBlock], None] | None = None) -> None:
+        first = 1 if reserve_null_block else 0
+        if num_blocks < first + 1:
+            raise ValueError(f"num_blocks must be >= {first + 1}, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.num_usable = num_blocks - first
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        self.free_queue = FreeBlockQueue(self.blocks[first:])
         self.cached: dict[bytes, KVCacheBlock] = {}
-        # Called with a cached block about to lose its hash for reuse (the
-        # host tier spills it; KV events report it). See core/kv/tiering.py.
-        self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        self.on_evict = on_evict
 
     def get_num_free_blocks(self) -> int:
+        """Blocks that can be taken now (empty, or cached and unreferenced)."""
         return self.free_queue.num_free
 
     def get_usage(self) -> float:
-        return 1.0 - self.free_queue.num_free / (self.num_blocks - 1)
+        return 1.0 - self.free_queue.num_free / self.num_usable
+
+    def num_used(self) -> int:
+        """Blocks holding KV: referenced or cached."""
+        return sum(1 for b in self.blocks if b.ref_cnt > 0 or b.block_hash is not None)
+
+    # The host tier's words for the same things: its blocks are slots, all usable.
+    @property
+    def slots(self) -> list[KVCacheBlock]:
+        return self.blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_usable
+
+    def get_num_free(self) -> int:
+        return self.free_queue.num_free
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
@@ -164,7 +191,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while blocks are in use,
         as a running request's blocks would otherwise lose their identity."""
-        if self.free_queue.num_free != self.num_blocks - 1:
+        if self.free_queue.num_free != self.num_usable:
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -176,15 +203,21 @@ class BlockPool:
         assert len(free) == self.free_queue.num_free, "free count out of sync"
         free_ids = {b.block_id for b in free}
         assert len(free_ids) == len(free), "a block is in the free queue twice"
-        assert 0 not in free_ids, "the null block is in the free queue"
-        for block in self.blocks[1:]:
+        usable = self.blocks[self.num_blocks - self.num_usable:]
+        if self.null_block is not None:
+            assert 0 not in free_ids, "the null block is in the free queue"
+        for block in usable:
             assert block.ref_cnt >= 0, f"{block} has a negative ref count"
             assert (block.ref_cnt == 0) == (block.block_id in free_ids), \
                 f"{block}: free iff unreferenced"
-        referenced = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
-        assert referenced + len(free) == self.num_blocks - 1, "blocks leaked"
+        referenced = sum(1 for b in usable if b.ref_cnt > 0)
+        assert referenced + len(free) == self.num_usable, "blocks leaked"
         for h, block in self.cached.items():
             assert block.block_hash == h, f"{block} cached under a stale hash"
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, \
+                    f"{block} has a hash nobody can find"
         first_cached = next((i for i, b in enumerate(free) if b.block_hash is not None),
                             len(free))
         assert all(b.block_hash is not None for b in free[first_cached:]), \

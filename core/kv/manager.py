@@ -2,30 +2,36 @@
 all-or-nothing slot allocation, caching of newly full blocks, freeing."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenbudget.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenbudget.core.kv.hashing import BlockHasher
 
 if TYPE_CHECKING:
-    from tokenbudget.core.kv.events import KVEventPublisher
     from tokenbudget.core.request import Request
+
+# Told of a block newly findable by its hash: (hash, parent hash, token ids).
+OnStore = Callable[[bytes, bytes | None, list[int]], None]
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
-                 hash_algo: str = "sha256", hash_seed: int | None = None) -> None:
+                 hash_algo: str = "sha256", hash_seed: int | None = None, *,
+                 on_evict: Callable[[KVCacheBlock], None] | None = None,
+                 on_store: OnStore | None = None) -> None:
+        """``on_evict`` and ``on_store`` tell the host tier and the KV events
+        (core/kv/tiering.py) of blocks leaving and joining the prefix cache."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict=on_evict)
         self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
-        # KV cache events (core/kv/events.py), when enabled.
-        self.events: KVEventPublisher | None = None
+        self.on_store = on_store
 
     # -- lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -123,12 +129,12 @@ class KVCacheManager:
             return
         hashes = self.hasher.update(request)
         cache = self.block_pool.cache_block
-        events = self.events
+        on_store = self.on_store
         for i in range(start, num_full):
-            if cache(blocks[i], hashes[i]) and events is not None:
+            if cache(blocks[i], hashes[i]) and on_store is not None:
                 bs = self.block_size
-                events.stored(hashes[i], "device", hashes[i - 1] if i else None,
-                              request.all_token_ids[i * bs:(i + 1) * bs])
+                on_store(hashes[i], hashes[i - 1] if i else None,
+                         request.all_token_ids[i * bs:(i + 1) * bs])
         self.num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -158,3 +164,14 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    # used by the scheduler
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free or evictable)."""
+        return self.block_pool.get_num_free_blocks()
+
+    # used by the scheduler
+    def num_reclaimable_blocks(self, request_id: str) -> int:
+        """Blocks that freeing the request would give back: those no one
+        else references."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b.ref_cnt == 1)

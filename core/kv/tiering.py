@@ -31,13 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenbudget.core.kv.block_pool import KVCacheBlock
+from tokenbudget.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventPublisher
-from tokenbudget.core.kv.host_pool import HostBlockPool
+from tokenbudget.core.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import CacheConfig
-    from tokenbudget.core.kv.manager import KVCacheManager
     from tokenbudget.core.outputs import SchedulerOutput
     from tokenbudget.core.request import Request
 
@@ -51,12 +50,28 @@ class SwappedKV:
 
 
 class KVTiering:
-    def __init__(self, kv: KVCacheManager, cache_config: CacheConfig) -> None:
-        self.kv = kv
-        self.block_size = kv.block_size
+    """Builds the device tier (``kv``, a KVCacheManager) and the host tier
+    (``host``, a BlockPool of slots, None when off), each told at
+    construction whom to call when a block leaves or joins its cache."""
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        events = KVEventPublisher() if cache_config.enable_kv_cache_events else None
+        self.events = events
         n = cache_config.num_offload_blocks or 0
-        self.host = HostBlockPool(n) if n else None
-        self.events = KVEventPublisher() if cache_config.enable_kv_cache_events else None
+        # A host slot holds the KV of one block. It is referenced while a
+        # swapped-out request owns it or while a copy reads it this step; an
+        # unreferenced slot with a hash stays findable (the second tier of the
+        # prefix cache) until it is reused, least recently used first.
+        self.host = BlockPool(n, reserve_null_block=False,
+                              on_evict=self._on_host_evict if events is not None else None) \
+            if n else None
+        spill = self.host is not None or events is not None
+        self.kv = kv = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size,
+            cache_config.enable_prefix_caching, cache_config.hash_algo, cache_config.hash_seed,
+            on_evict=self._on_device_evict if spill else None,
+            on_store=self._on_device_store if events is not None else None)
+        self.block_size = kv.block_size
         self.load_budget = cache_config.kv_load_blocks_per_step
         self.swapped: dict[str, SwappedKV] = {}
         # This step's copies, and the host slots its swap-ins read.
@@ -70,15 +85,6 @@ class KVTiering:
         self.num_swapped_out_blocks = 0   # copies device -> host (swaps and spills)
         self.num_swapped_in_blocks = 0    # copies host -> device
         self.num_host_hit_tokens = 0      # prefix tokens loaded from the host tier
-        self._wire()
-
-    def _wire(self) -> None:
-        if self.host is not None or self.events is not None:
-            self.kv.block_pool.on_evict = self._on_device_evict
-        if self.events is not None:
-            self.kv.events = events = self.events
-            if self.host is not None:
-                self.host.on_evict = lambda h: events.removed(h, HOST)
 
     def take_over_events(self, old: KVTiering) -> None:
         """Publish on ``old``'s publisher, so its subscribers stay (a fresh
@@ -86,8 +92,8 @@ class KVTiering:
         blocks the old scheduler knew went with the old workers' KV."""
         if old.events is None or self.events is None:
             return
+        # The callbacks given at construction publish on self.events.
         self.events = old.events
-        self._wire()
         self.events.flush()
         self.events.cleared()
         self.events.flush()
@@ -131,17 +137,17 @@ class KVTiering:
             plan.append(host.cached.get(h) if h is not None else None)
         shared = [s for s in plan if s is not None]
         need = len(plan) - len(shared)
-        if need + sum(1 for s in shared if s.ref_cnt == 0) > host.get_num_free():
+        if need + sum(1 for s in shared if s.ref_cnt == 0) > host.get_num_free_blocks():
             return  # no room: recompute on resume
         host.touch(shared)
-        fresh = iter(host.get_slots(need))
+        fresh = iter(host.get_new_blocks(need))
         slots = []
         for i, slot in enumerate(plan):
             if slot is None:
                 slot = next(fresh)
                 self._swap_out.append((blocks[i].block_id, slot.block_id))
                 h = hashes[i] if i < num_full and i < len(hashes) else None
-                if h is not None and host.cache(slot, h) and self.events is not None:
+                if h is not None and host.cache_block(slot, h) and self.events is not None:
                     self.events.stored(h, HOST)
             slots.append(slot)
         self.num_swapped_out_blocks += need
@@ -157,16 +163,23 @@ class KVTiering:
                 if slot.ref_cnt == 0:  # most recently used again
                     host.free_queue.remove(slot)
                     host.free_queue.append(slot)
-            elif host.get_num_free():
-                (slot,) = host.get_slots(1)
-                host.cache(slot, h)
-                host.free([slot])
+            elif host.get_num_free_blocks():
+                (slot,) = host.get_new_blocks(1)
+                host.cache_block(slot, h)
+                host.free_blocks([slot])
                 self._swap_out.append((block.block_id, slot.block_id))
                 self.num_swapped_out_blocks += 1
                 if self.events is not None:
                     self.events.stored(h, HOST)
         if self.events is not None:
             self.events.removed(h, DEVICE)
+
+    def _on_device_store(self, block_hash: bytes, parent_hash: bytes | None,
+                         token_ids: list[int]) -> None:
+        self.events.stored(block_hash, DEVICE, parent_hash, token_ids)
+
+    def _on_host_evict(self, slot: KVCacheBlock) -> None:
+        self.events.removed(slot.block_hash, HOST)
 
     # -- admission -----------------------------------------------------------------
     def plan_load(self, req: Request, hits: list[KVCacheBlock],
@@ -215,7 +228,7 @@ class KVTiering:
         """The request planned with ``slots`` was not admitted."""
         if slots:
             del self._pinned[-len(slots):]
-            self.host.free(slots)
+            self.host.free_blocks(slots)
 
     def commit_load(self, req: Request, hits: list[KVCacheBlock], slots: list[KVCacheBlock],
                     num_cached: int) -> None:
@@ -237,7 +250,7 @@ class KVTiering:
                 self.num_host_hit_tokens += len(slots) * self.block_size
         record = self.swapped.pop(rid, None)
         if record is not None:
-            host.free(record.slots)
+            host.free_blocks(record.slots)
 
     def on_free(self, req: Request) -> None:
         """``req`` finished or was aborted (its swapped KV is not needed)."""
@@ -245,7 +258,7 @@ class KVTiering:
         self._computed_before.pop(rid, None)
         record = self.swapped.pop(rid, None)
         if record is not None:
-            self.host.free(record.slots)
+            self.host.free_blocks(record.slots)
 
     # -- step ------------------------------------------------------------------------
     def finish_step(self, out: SchedulerOutput) -> None:
@@ -260,7 +273,7 @@ class KVTiering:
         if self._swap_in:
             out.kv_swap_in, self._swap_in = self._swap_in, []
         if self._pinned:
-            self.host.free(self._pinned)
+            self.host.free_blocks(self._pinned)
             self._pinned = []
         self._loaded = 0
         if self.events is not None:
@@ -270,12 +283,12 @@ class KVTiering:
         """Forget every cached hash in both tiers; refused while any block or
         slot is in use (a request runs or is swapped)."""
         host = self.host
-        if host is not None and host.get_num_free() != host.num_slots:
+        if host is not None and host.get_num_free_blocks() != host.num_usable:
             return False
         if not self.kv.reset_prefix_cache():
             return False
         if host is not None:
-            host.reset()
+            host.reset_prefix_cache()
         if self.events is not None:
             self.events.flush()
             self.events.cleared()
@@ -297,6 +310,6 @@ class KVTiering:
         for record in self.swapped.values():
             for slot in record.slots:
                 refs[slot.block_id] = refs.get(slot.block_id, 0) + 1
-        for slot in self.host.slots:
+        for slot in self.host.blocks:
             assert slot.ref_cnt == refs.get(slot.block_id, 0), \
                 f"host {slot}: {refs.get(slot.block_id, 0)} swapped requests hold it"

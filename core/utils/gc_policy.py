@@ -24,9 +24,10 @@ payloads (a refused 2 MB prompt, an image) would wait for thousands of other
 allocations, and with few of those (a server refusing requests while
 otherwise idle) grow the heap by gigabytes. So the services never refuse by
 raising through grpc (server/entrypoints/grpc/errors.py: that exception kept the request
-in a cycle), and ``RefusedBytes`` runs a collection once refused requests
-add up to ``REFUSED_BYTES_PER_COLLECTION``, in case a library still builds
-such a cycle; the frozen start-up heap is not scanned, so it costs little.
+in a cycle), and they run a collection once refused requests add up to
+256 MiB (server/entrypoints/grpc/limits.py: ``RefusedBytes``), in case a
+library still builds such a cycle; the frozen start-up heap is not scanned,
+so it costs little.
 
 ``configure_gc`` also has ``gc.unfreeze()`` run at interpreter exit. The
 collections during shutdown skip the permanent generation, so cycles frozen
@@ -38,14 +39,12 @@ from __future__ import annotations
 
 import atexit
 import gc
-import threading
 from dataclasses import dataclass
 
 # Large enough that one step's short-lived containers (about two per running
 # request at 1024 requests) fit between collections; small enough that a
 # young collection stays a fraction of a millisecond.
 DEFAULT_GEN0_THRESHOLD = 20_000
-REFUSED_BYTES_PER_COLLECTION = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,29 +68,3 @@ def configure_gc(gen0_threshold: int = DEFAULT_GEN0_THRESHOLD) -> GCPolicy:
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(gen0_threshold, gen1, gen2)
     return GCPolicy(thresholds=gc.get_threshold(), frozen=gc.get_freeze_count())
-
-
-class RefusedBytes:
-    """Counts the bytes of refused requests; ``add`` collects garbage each
-    time they pass ``per_collection`` (from any thread)."""
-
-    def __init__(self, per_collection: int = REFUSED_BYTES_PER_COLLECTION) -> None:
-        if per_collection < 1:
-            raise ValueError(f"per_collection must be >= 1, got {per_collection}")
-        self.per_collection = per_collection
-        self.collections = 0
-        self._pending = 0
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self._pending += nbytes
-            if self._pending < self.per_collection:
-                return
-            self._pending = 0
-            self.collections += 1
-        gc.collect()
-
-
-# One per process, as the collector is: every service's refusals count together.
-refused_bytes = RefusedBytes()

@@ -31,7 +31,7 @@ import grpc
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.proto import convert, step_stream, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Connection:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: deque[_Step] = deque()
-        self.decoder = convert.ModelRunnerOutputDecoder()
+        self.decoder = step_stream.ModelRunnerOutputDecoder()
         self.reader: threading.Thread | None = None
         self.ready = grpc.channel_ready_future(self.channel)
         # When the worker last answered, or was sent a step while idle: the
@@ -113,7 +113,7 @@ class RemoteExecutor:
         self.num_offload_blocks = 0  # host KV tier slots the workers allocated
         self._lock = threading.Lock()
         self._step_id = 0
-        self._encoder = convert.SchedulerOutputEncoder()
+        self._encoder = step_stream.SchedulerOutputEncoder()
         self._error: WorkerUnavailableError | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._closed = threading.Event()
@@ -186,7 +186,7 @@ class RemoteExecutor:
         with self._lock:
             self._conns = conns
             self._step_id = 0
-            self._encoder = convert.SchedulerOutputEncoder()  # request handles are per stream
+            self._encoder = step_stream.SchedulerOutputEncoder()  # request handles are per stream
         for conn in conns:
             stream = conn.stub.ExecuteModel(conn.requests(), metadata=self._metadata)
             conn.reader = threading.Thread(target=self._read, args=(conn, stream), daemon=True,

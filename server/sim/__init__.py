@@ -14,9 +14,9 @@ from tokenbudget.server.sim.profiles import (GPU_DEFAULT_CONSTANTS, HARDWARE, MO
                                                    HardwareProfile, ModelProfile, get_hardware,
                                                    get_model)
 from tokenbudget.server.sim.simulate import ROUTERS, Router, SimResult, simulate
-from tokenbudget.server.sim.traces import (TraceRecorder, TraceRequest, load_trace, merge,
-                                                 multi_turn_chat, poisson_arrivals,
-                                                 sharegpt_like, with_slo)
+from tokenbudget.server.engine.trace import TraceRecorder, TraceRequest, load_trace
+from tokenbudget.server.sim.traces import (merge, multi_turn_chat, poisson_arrivals,
+                                           sharegpt_like, with_slo)
 
 __all__ = [
     "CostConstants", "CostModel", "FitReport", "GPU_DEFAULT_CONSTANTS", "HARDWARE", "HardwareProfile", "MODELS",

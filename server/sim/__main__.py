@@ -19,7 +19,8 @@ from tokenbudget.core.config import POLICIES
 from tokenbudget.server.sim.profiles import (GPU_DEFAULT_CONSTANTS, HARDWARE, MODELS,
                                                    CostConstants, get_hardware, get_model)
 from tokenbudget.server.sim.simulate import ROUTERS, simulate
-from tokenbudget.server.sim.traces import load_trace, multi_turn_chat, sharegpt_like
+from tokenbudget.server.engine.trace import load_trace
+from tokenbudget.server.sim.traces import multi_turn_chat, sharegpt_like
 
 TRACES = ("sharegpt", "multi-turn", "replay")
 

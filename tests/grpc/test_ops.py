@@ -256,7 +256,7 @@ def test_the_server_wrote_its_trace_at_exit_lengths_and_hashes_without_text(ops)
     with lengths but no text and no token ids; the simulator can load it."""
     from transformers import AutoTokenizer
 
-    from tokenbudget.server.sim.traces import load_trace
+    from tokenbudget.server.engine.trace import load_trace
 
     assert ops.server.proc.poll() is not None, "runs after the SIGTERM test"
     trace, block_size = load_trace(ops.trace_path)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tokenbudget.core import Request, RequestOutput, SamplingParams
-from tokenbudget.server.engine.async_engine import RequestStream, wake_async_readers
+from tokenbudget.server.engine.streams import RequestStream, wake_async_readers
 
 
 def _stream() -> RequestStream:

@@ -10,7 +10,7 @@ import weakref
 import grpc
 import pytest
 
-from tokenbudget.core.utils.gc_policy import RefusedBytes
+from tokenbudget.server.entrypoints.grpc.limits import RefusedBytes
 from tokenbudget.proto import generate_pb2
 from tokenbudget.server.entrypoints.grpc.errors import public_message, undecodable
 

@@ -91,7 +91,7 @@ def test_next_step_is_sent_before_the_structured_step_is_applied(llm_async, monk
 def test_executor_without_opt_in_gets_a_concrete_mask(tiny_model, llm, monkeypatch):
     """A remote-style executor (wire conversion, no ``defers_grammar_bitmask``)
     keeps today's behaviour: an array it can encode, and the sync tokens."""
-    from tokenbudget.proto.convert import SchedulerOutputDecoder, SchedulerOutputEncoder
+    from tokenbudget.proto.step_stream import SchedulerOutputDecoder, SchedulerOutputEncoder
     from tokenbudget.server import LLM
     from tokenbudget.server.executor import inprocess as executor_module
 

@@ -145,7 +145,8 @@ def run_rank(args, secret: str | None) -> None:
     import signal
     import sys
 
-    from tokenbudget.worker.grpc_worker import BindError, check_port_free, serve
+    from tokenbudget.proto.rpc.ports import BindError, check_port_free
+    from tokenbudget.worker.grpc_worker import serve
 
     if args.rank == 0:
         check_port_free(args.host, args.port)  # before waiting for the other ranks

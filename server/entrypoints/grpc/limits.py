@@ -5,15 +5,23 @@ refused health checks, GetStats and GetModelInfo too, and an orchestrator
 would kill a healthy server for being busy. Here only the generation methods
 count (Generate, and Embed, which also runs the model); beyond the limit
 they get RESOURCE_EXHAUSTED at once, and everything else is always answered.
+
+Refused requests are counted in bytes too (``refused_bytes``): a collection
+runs once they add up, so a cycle holding a large refused payload does not
+wait for thousands of other allocations (core/utils/gc_policy.py).
 """
 from __future__ import annotations
 
+import gc
 import inspect
+import threading
 
 import grpc
 
 from tokenbudget.server.entrypoints.grpc.errors import refuse
 from tokenbudget.proto.rpc.auth import handler_with_behavior
+
+REFUSED_BYTES_PER_COLLECTION = 256 << 20
 
 
 class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
@@ -62,3 +70,29 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
             return False
         self.active += 1
         return True
+
+
+class RefusedBytes:
+    """Counts the bytes of refused requests; ``add`` collects garbage each
+    time they pass ``per_collection`` (from any thread)."""
+
+    def __init__(self, per_collection: int = REFUSED_BYTES_PER_COLLECTION) -> None:
+        if per_collection < 1:
+            raise ValueError(f"per_collection must be >= 1, got {per_collection}")
+        self.per_collection = per_collection
+        self.collections = 0
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending += nbytes
+            if self._pending < self.per_collection:
+                return
+            self._pending = 0
+            self.collections += 1
+        gc.collect()
+
+
+# One per process, as the collector is: every service's refusals count together.
+refused_bytes = RefusedBytes()
