@@ -7,12 +7,16 @@ from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewR
 from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
 from tokenbudget.core.request import MultiModalFeature, Request, RequestStatus
 from tokenbudget.core.sampling_params import SamplingParams, StructuredOutputParams
-from tokenbudget.core.sched.scheduler import DuplicateRequestError, Scheduler, SchedulerStats
+from tokenbudget.core.failures import DuplicateRequestError, QueueFullError
+from tokenbudget.core.sched.scheduler import Scheduler
+from tokenbudget.core.sched.stats import SchedulerStats
 
 __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "DuplicateRequestError",
     "EncoderCacheManager", "KVCacheBlock", "KVCacheManager",
-    "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "PoolerConfig", "PoolingParams", "PromptLogprobs", "Request",
-    "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+    "ModelRunnerOutput", "MultiModalFeature", "NewRequestData", "PoolerConfig", "PoolingParams",
+    "PromptLogprobs", "QueueFullError", "Request",
+    "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "SchedulerOutput",
     "SchedulerStats", "StructuredOutputParams",
 ]

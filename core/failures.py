@@ -47,6 +47,14 @@ class WorkerReplyError(RuntimeError):
     """A worker's reply does not answer the step it was sent (a step error)."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request id that is already in the scheduler."""
+
+
+class QueueFullError(ValueError):
+    """The waiting queue is at max_queued_requests."""
+
+
 def describe(exc: BaseException) -> RequestFailure:
     """The failure a client may see: the exception's class and message,
     without source paths or a traceback."""

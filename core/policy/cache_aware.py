@@ -3,9 +3,10 @@
 - ``WaitingOrder``: orders the waiting queue each step for the cache-aware
   and other non-vLLM policies (lpm, dfs-weight, lof, random), with in-batch
   prefix deprioritisation and aging.
-- ``AdmissionReserve``: SGLang's ``new_token_ratio``: admit a request only if
-  the running requests' expected future tokens still fit.
-- ``retract_victim``: SGLang's retract order for memory shortage.
+- ``VictimOrder``: who is preempted on memory shortage: vLLM's order or
+  SGLang's retract order.
+
+SGLang's admission reserve (``new_token_ratio``) is in core/policy/reserve.py.
 
 Cache-aware policies measure a waiting request's cached prefix with our block
 hash index: the number of leading block hashes found in the block pool.
@@ -17,9 +18,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenbudget.core.config import SchedulerConfig
+from tokenbudget.core.policy.base import Admission, SchedulingPolicy
 
 if TYPE_CHECKING:
     from tokenbudget.core.kv import KVCacheManager
+    from tokenbudget.core.policy.base import StepView
     from tokenbudget.core.policy.queues import FCFSQueue
     from tokenbudget.core.request import Request
 
@@ -53,7 +56,7 @@ def cached_prefix_blocks(kv: KVCacheManager, req: Request, hint: int = -1) -> in
     return lo
 
 
-class WaitingOrder:
+class WaitingOrder(SchedulingPolicy):
     def __init__(self, config: SchedulerConfig, block_size: int) -> None:
         self.policy = config.policy
         self.block_size = block_size
@@ -110,6 +113,11 @@ class WaitingOrder:
                 [r for r in ordered if r.request_id in deprioritized]
         waiting.reorder(ordered + rest if rest else ordered)
         return deprioritized
+
+    def order_waiting(self, step: StepView, waiting: FCFSQueue, running: list[Request],
+                      kv: KVCacheManager) -> Admission | None:
+        deprioritized = self.reorder(waiting, kv, step.now)
+        return Admission(deprioritized, []) if deprioritized else None
 
     def _cached_prefixes(self, kv: KVCacheManager, reqs: list[Request]) -> dict[int, int]:
         old = self._hints
@@ -195,49 +203,6 @@ def _dfs_weight_order(reqs: list[Request], prefix: dict[int, int]) -> list[Reque
     return out
 
 
-class AdmissionReserve:
-    """Reserve KV for running requests' expected future tokens when admitting.
-
-    expected = sum over running of min(max_tokens - generated, clip) * ratio
-    (ratio 1 for ignore_eos requests, which always run to max_tokens). The
-    ratio starts optimistic, decays every step toward its floor while
-    nothing is preempted, and is re-estimated from observed progress after a
-    preemption, like TCP congestion control."""
-
-    def __init__(self, config: SchedulerConfig, block_size: int) -> None:
-        self.ratio = config.init_new_token_ratio
-        self.min_ratio = config.min_new_token_ratio
-        self.decay = config.new_token_ratio_decay
-        self.clip = config.reserve_clip_tokens
-        self.block_size = block_size
-
-    def on_step(self) -> None:
-        self.ratio = max(self.ratio - self.decay, self.min_ratio)
-
-    def on_preemption(self, running: list[Request]) -> None:
-        # Observed progress plus a margin of a few decode steps per request.
-        decoded = sum(r.num_output_tokens for r in running)
-        wanted = sum(r.max_tokens for r in running)
-        if wanted:
-            estimate = (decoded + 20 * len(running)) / wanted
-            self.ratio = min(1.0, max(estimate, self.ratio, self.min_ratio))
-
-    def future_tokens(self, req: Request) -> float:
-        left = min(req.max_tokens - req.num_output_tokens, self.clip)
-        return left * (1.0 if req.sampling_params.ignore_eos else self.ratio)
-
-    def reserve_blocks(self, running: list[Request]) -> float:
-        clip = self.clip
-        eos = full = 0
-        for r in running:
-            left = min(r.max_tokens - len(r.output_token_ids), clip)
-            if r.sampling_params.ignore_eos:
-                full += left
-            else:
-                eos += left
-        return (eos * self.ratio + full) / self.block_size
-
-
 def make_victim_picker(config: SchedulerConfig) -> Callable[[list[Request]], Request]:
     """Who to preempt on memory shortage: vLLM's order (the last admitted, or
     the worst priority) or SGLang's retract order (fewest generated tokens
@@ -249,3 +214,13 @@ def make_victim_picker(config: SchedulerConfig) -> Callable[[list[Request]], Req
         sign = -1 if config.priority_descending else 1
         return lambda running: max(running, key=lambda r: (sign * r.priority, r.arrival_time))
     return lambda running: running[-1]
+
+
+class VictimOrder(SchedulingPolicy):
+    """Victim choice on memory shortage (``preemption_mode``, see make_victim_picker)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._pick = make_victim_picker(config)
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return self._pick(running)

@@ -1,6 +1,8 @@
 """Waiting queues. FCFS is a deque; priority orders by (priority, arrival).
 
-Cache-aware policies (core/policy/cache_aware.py) reorder the FCFS queue each step.
+Cache-aware policies (core/policy/cache_aware.py) reorder the FCFS queue each
+step; policy slo has its own queue (core/policy/slo_queue.py). create_queue
+(core/policy/factory.py) makes the configured one.
 """
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
-
-from tokenbudget.core.policy.slo_queue import SLOQueue
 
 if TYPE_CHECKING:
     from tokenbudget.core.request import Request
@@ -39,6 +39,11 @@ class FCFSQueue:
 
     def reorder(self, ordered: list[Request]) -> None:
         self._q = deque(ordered)
+
+    def evictable_for(self, request: Request) -> Request | None:
+        """The queued request ``request`` may take the place of in a full
+        queue: none, first come first served."""
+        return None
 
     def __len__(self) -> int:
         return len(self._q)
@@ -81,6 +86,13 @@ class PriorityQueue:
         """The request that would run last."""
         return max(self._heap)[3]
 
+    def evictable_for(self, request: Request) -> Request | None:
+        """The request that would run last, if ``request`` would run strictly
+        before it: ``request`` may take its place in a full queue."""
+        worst = self.worst()
+        sign = self._sign
+        return worst if sign * request.priority < sign * worst.priority else None
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -90,10 +102,3 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._heap))
 
-
-def create_queue(policy: str,
-                 descending: bool = False) -> FCFSQueue | PriorityQueue | SLOQueue:
-    if policy == "priority":
-        return PriorityQueue(descending)
-    # slo: kept in deadline order as requests come (core/policy/slo_queue.py).
-    return SLOQueue() if policy == "slo" else FCFSQueue()

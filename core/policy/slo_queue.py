@@ -1,11 +1,11 @@
 """The waiting queue of policy slo: kept in deadline order as requests come.
 
-``SLOOrder.reorder`` (core/policy/slo.py) gives the waiting requests each step the
-order: aged requests by arrival, then by TTFT deadline those that can still
-make it (a walk that adds up the prefills ahead), then the late ones by
-deadline. Sorting and walking the whole queue each step cost more than the
-rest of the scheduler once thousands wait. This queue keeps two sorted
-indexes instead, updated as requests come and go:
+The queue owns that order (``arrange``, each step, for ``SLOOrder`` in
+core/policy/slo.py): aged requests by arrival, then by TTFT deadline those
+that can still make it (a walk that adds up the prefills ahead), then the
+late ones by deadline. Sorting and walking the whole queue each step cost
+more than the rest of the scheduler once thousands wait. This queue keeps
+two sorted indexes instead, updated as requests come and go:
 
 - aged requests (waited past ``aging_bound_s``) by arrival, with the sum of
   their prompt tokens left (what is ahead of every other request);
@@ -19,7 +19,7 @@ requests still before their deadline, those that came within one TTFT.
 The order is the full re-sort's, request for request. Its ties (equal
 arrival times) break by the position the queue had; while two waiting
 requests share an arrival time the queue does the full re-sort over its
-current order instead (``SLOOrder.order_all``).
+current order instead (``order_all``).
 
 Between two arranges the queue is a view: requests put back in front
 (``prepend``), the arranged order, requests that came since (``add``).
@@ -33,13 +33,75 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokenbudget.core.request import RequestStatus
 
 if TYPE_CHECKING:
     from tokenbudget.core.request import Request
-    from tokenbudget.core.policy.slo import SLOOrder
+
+
+class WalkSettings(Protocol):
+    """What ``arrange`` reads of the policy that owns the queue (SLOOrder)."""
+
+    aging_s: float  # waited longer than this (> 0): served first, by arrival
+    step_s: float  # the time one step takes
+    reject_late: bool  # late requests are refused (taken out), not queued
+
+
+def deadline(req: Request) -> float:
+    """When the request's first token is due. A request that already has
+    output (it was preempted) has met its TTFT: it is never late, and goes
+    back ahead of every request still waiting for its first token (only
+    the aged go before it)."""
+    if req.num_output_tokens:
+        return -math.inf
+    if req.ttft_ms is None:
+        return math.inf
+    return req.arrival_time + req.ttft_ms / 1000.0
+
+
+def walk(rest: Iterable[tuple[float, float, int, Request]], ahead: int, now: float,
+         per_step: int, step_s: float) -> tuple[list[Request], list[Request]]:
+    """Split ``rest`` ((deadline, arrival, position, request) in that
+    order) into the requests that can still get their first token by
+    their deadline with ``ahead`` prompt tokens before them, and the late."""
+    on_time: list[Request] = []
+    late: list[Request] = []
+    for due, _, _, r in rest:
+        prefill = len(r.all_token_ids) - r.num_computed_tokens
+        # The first token comes at the end of the step that finishes the prefill.
+        first_token = now + ((ahead + prefill - 1) // per_step + 1) * step_s
+        if first_token > due:
+            late.append(r)
+        else:
+            on_time.append(r)
+            ahead += prefill
+    return on_time, late
+
+
+def order_all(waiting: list[Request], now: float, per_step: int, aging_s: float,
+              step_s: float) -> tuple[list[Request], list[Request], list[Request]]:
+    """The aged, on-time and late requests of ``waiting`` (in its current
+    order, which breaks ties), each in the order they are served: the full
+    re-sort that the queue's indexes stand in for."""
+    aged: list[Request] = []
+    rest: list[tuple[float, float, int, Request]] = []
+    bound = now - aging_s if aging_s > 0 else -math.inf
+    for i, r in enumerate(waiting):
+        arrival = r.arrival_time
+        if arrival <= bound:
+            aged.append(r)
+        else:
+            rest.append((deadline(r), arrival, i, r))
+    aged.sort(key=lambda r: r.arrival_time)
+    # Plainly sorted: ties stay in queue order, as in a stable sort by (deadline, arrival).
+    rest.sort()
+    # Preempted with output (deadline -inf, sorted first): resumed, never late.
+    k = bisect_right(rest, (-math.inf, math.inf))
+    aged += [e[3] for e in rest[:k]]
+    ahead = sum(r.num_tokens - r.num_computed_tokens for r in aged)
+    return (aged, *walk(rest[k:], ahead, now, per_step, step_s))
 
 
 class _Entry:
@@ -111,6 +173,11 @@ class SLOQueue:
     def reorder(self, ordered: list[Request]) -> None:
         """Take ``ordered`` (the waiting requests, each once) as the order."""
         self._set_view(ordered)
+
+    def evictable_for(self, request: Request) -> Request | None:
+        """The queued request ``request`` may take the place of in a full
+        queue: none (deadlines order the queue, not ranks)."""
+        return None
 
     def __len__(self) -> int:
         return self._len
@@ -190,19 +257,20 @@ class SLOQueue:
             front.append(req)
 
     # -- arrange --------------------------------------------------------------------
-    def arrange(self, order: SLOOrder, now: float, per_step: int) -> list[Request]:
-        """Put the waiting requests in ``order``'s order for a step at ``now``
-        with ``per_step`` prefill tokens per step; return the late requests
-        when they are to be refused (taken out of the queue then)."""
+    def arrange(self, order: WalkSettings, now: float, per_step: int) -> list[Request]:
+        """Put the waiting requests in deadline order for a step at ``now``
+        with ``per_step`` prefill tokens per step (``order``: the settings);
+        return the late requests when they are to be refused (taken out of
+        the queue then)."""
         # With shared arrival times the order depends on the current one: read it first.
         current = list(self) if self._ties else None
         if now < self._now:  # a clock set back (tests): age everything afresh
             self._unage()
         self._now = now
-        self._sync(order)
+        self._sync()
         self._age(now - order.aging_s if order.aging_s > 0 else -math.inf)
         if current is not None:
-            aged, on_time, late = order.order_all(current, now, per_step)
+            aged, on_time, late = order_all(current, now, per_step, order.aging_s, order.step_s)
         else:
             aged = self._aged
             young = self._young
@@ -215,7 +283,8 @@ class SLOQueue:
                 ahead += sum(r.num_tokens - r.num_computed_tokens for r in resumed)
             # Past their deadline: late in any walk, and first among the late.
             k = bisect_left(young, (now,), j)
-            on_time, late = order.walk(itertools.islice(young, k, None), ahead, now, per_step)
+            on_time, late = walk(itertools.islice(young, k, None), ahead, now, per_step,
+                                 order.step_s)
             if k > j:
                 late = [e[3] for e in itertools.islice(young, j, k)] + late
         self._front = deque()
@@ -229,7 +298,7 @@ class SLOQueue:
         self._stream = itertools.chain(aged, on_time, late)
         return []
 
-    def _sync(self, order: SLOOrder) -> None:
+    def _sync(self) -> None:
         """Bring the indexes up to date: drop the requests taken out, key
         again the ones a preemption put back, index the new ones."""
         entries = self._entries
@@ -240,13 +309,13 @@ class SLOQueue:
         for i in self._volatile:
             e = entries[i]
             req = e.req
-            deadline, tokens = order.deadline(req), req.num_tokens - req.num_computed_tokens
-            if deadline != e.deadline or tokens != e.tokens:
+            due, tokens = deadline(req), req.num_tokens - req.num_computed_tokens
+            if due != e.deadline or tokens != e.tokens:
                 self._unindex(e)
-                e.deadline, e.tokens, e.aged = deadline, tokens, False
+                e.deadline, e.tokens, e.aged = due, tokens, False
                 self._index_young(e)
         for i, req in self._new.items():
-            e = _Entry(order.deadline(req), req.arrival_time, next(self._seq), req,
+            e = _Entry(deadline(req), req.arrival_time, next(self._seq), req,
                        req.num_tokens - req.num_computed_tokens)
             entries[i] = e
             self._index_young(e)

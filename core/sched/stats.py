@@ -1,4 +1,5 @@
-"""Counters of speculative decoding, kept by the scheduler as drafts are verified."""
+"""The scheduler's statistics (``Scheduler.make_stats``), and the counters of
+speculative decoding, kept as drafts are verified."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,3 +39,28 @@ class SpecDecodingStats:
     def copy(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
                                  self.num_accepted_tokens, list(self.accepted_per_position))
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    encoder_cache_usage: float
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    # The host KV tier (core/kv/tiering.py); zeros without one.
+    num_offload_blocks: int = 0
+    offload_blocks_used: int = 0
+    num_swapped_requests: int = 0
+    # Tokens computed again after a preemption had thrown their KV away.
+    num_recomputed_tokens: int = 0
+    kv_swap_out_blocks: int = 0
+    kv_swap_in_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0

@@ -34,7 +34,7 @@ def test_waiting_request_that_cannot_get_blocks_pins_no_encoder_entry(
 
 def test_refused_request_is_never_registered_with_the_grammar_manager(make_request):
     from tokenbudget.core import CacheConfig, Scheduler, SchedulerConfig
-    from tokenbudget.core.sched.scheduler import QueueFullError
+    from tokenbudget.core.failures import QueueFullError
 
     class RecordingManager:
         def __init__(self) -> None:

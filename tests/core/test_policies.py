@@ -5,7 +5,7 @@ import pytest
 
 from tokenbudget.core import RequestStatus, SchedulerConfig
 from tokenbudget.core.policy.cache_aware import make_victim_picker
-from tokenbudget.core.sched.scheduler import QueueFullError
+from tokenbudget.core.failures import QueueFullError
 
 BASE = list(range(100, 164))     # a 64-token (4-block) prefix
 OTHER = list(range(500, 548))    # a 48-token (3-block) prefix

@@ -12,7 +12,7 @@ import pytest
 
 from tokenbudget.core import CacheConfig, Request, SamplingParams, SchedulerConfig
 from tokenbudget.core.kv.hashing import BlockHasher
-from tokenbudget.core.policy.cache_aware import AdmissionReserve
+from tokenbudget.core.policy.reserve import AdmissionReserve
 from tokenbudget.core.request import RequestStatus
 from tokenbudget.core.sampling_params import StructuredOutputParams
 
