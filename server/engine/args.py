@@ -1,11 +1,15 @@
 """Engine arguments: the one set of settings behind ``server``'s flags and
 ``LLM(...)``'s keywords, under vLLM's names where vLLM has the setting.
 
-A flag ``--max-num-seqs`` is the keyword ``max_num_seqs``. vLLM's names for
-settings we had under our own names are aliases (``ALIASES``). What we cannot
-honour is refused with ``UnsupportedArgument`` ("not supported: why") before
-anything loads; accepted flags that change nothing here (``enforce_eager``:
-we capture no graphs) say so in their help.
+Each setting is declared once, as a field with its default, help text and
+``server --help`` group (``core.config.setting``); the scheduler's and the KV
+cache's settings are SchedulerConfig's and CacheConfig's fields, taken over
+with ``_from``. The flags are derived from the fields (``engine_flags``): a
+flag ``--max-num-seqs`` is the keyword ``max_num_seqs``. vLLM's names for
+settings we had under our own names are aliases (``ALIASES``), as keywords
+and as flags. What we cannot honour is refused with ``UnsupportedArgument``
+("not supported: why") before anything loads; accepted flags that change
+nothing here (``enforce_eager``: we capture no graphs) say so in their help.
 """
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenbudget.core.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
+from tokenbudget.core.config import (DEFAULT_MAX_MODEL_LEN, KV_CACHE, POLICY, POLICY_OPTIONS,
+                                     SCHEDULER, CacheConfig, SchedulerConfig, setting)
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.structured.manager import DEFAULT_GRAMMAR_CACHE_BYTES
@@ -26,7 +32,9 @@ from tokenbudget.server.engine.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
 
 logger = logging.getLogger("tokenbudget.server")
 
-DEFAULT_MAX_MODEL_LEN = 8192
+# The ``server --help`` groups, in order (SCHEDULER, POLICY, KV_CACHE: core.config).
+MODEL, SERVER, LOGGING, WORKERS = "model", "server", "logging", "workers"
+GROUPS = (MODEL, SERVER, LOGGING, WORKERS, SCHEDULER, POLICY, KV_CACHE)
 # vLLM's name -> ours, for LLM(...) keywords (the CLI has both as option strings).
 ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks",
            "kv_cache_memory_bytes": "kv_cache_memory",
@@ -43,79 +51,134 @@ class UnsupportedArgument(ValueError):
         super().__init__(f"{name} is not supported: {why}")
 
 
+def _from(config: type, name: str, **override: Any) -> Any:
+    """The EngineArgs field of ``config``'s setting ``name``, with the default
+    and flag declared there (its ``engine_default`` where it has one);
+    ``override`` replaces what differs here."""
+    f = next(f for f in dataclasses.fields(config) if f.name == name)
+    meta = {**f.metadata, **override}
+    return field(default=meta.pop("engine_default", f.default), metadata=meta)
+
+
 @dataclass(slots=True)
 class EngineArgs:
-    model: str | None = None
-    # The name GetModelInfo and the gateway report (default: model).
-    served_model_name: str | None = None
-    tokenizer: str | None = None           # default: model
-    revision: str | None = None            # of the model and, by default, its tokenizer
-    trust_remote_code: bool = False
-    dtype: str = "auto"
-    device: str | None = None
-    attention_backend: str = "auto"
-    # Ranks one model is sharded over (worker processes started on this host).
-    tensor_parallel_size: int = 1
-    # Seeds torch's global generator (requests without a seed of their own).
-    seed: int = 0
-    # A Jinja template, inline or the path of a file holding one.
-    chat_template: str | None = None
-    # Sampling defaults: "auto" (the model's generation_config.json), "vllm"
-    # (none: SamplingParams' own defaults) or a folder holding one.
-    generation_config: str = "auto"
-    # The most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary.
-    max_logprobs: int = 20
-    kv_cache_dtype: str = "auto"
-    enforce_eager: bool = False            # we never capture CUDA graphs: eager always
-    enable_chunked_prefill: bool = True    # the scheduler always chunks
-    max_num_partial_prefills: int = 1
-    disable_log_stats: bool = False
-    enable_log_requests: bool = False
-    # Embedding requests' default pooling over the model's own (PoolerConfig
-    # fields as a dict or JSON text: pooling_type LAST|MEAN|CLS, normalize).
-    pooler_config: dict | str | None = None
-    # -- scheduler --
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int | None = None       # default: the model's, at most 8192
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    # On for LLM and server alike: step N+1 is scheduled while step N runs
-    # (same tokens as off; the server measured it faster).
-    async_scheduling: bool = True
-    # Vision encoder budget per step and encoder cache size, in embeddings.
-    encoder_compute_budget: int = 8192
-    encoder_cache_size: int = 8192
-    # Speculative decoding, vLLM's dict (or its JSON text); None: off.
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
-    grammar_compile_timeout_s: float = 30.0
-    # Compiled grammars kept for reuse, in bytes.
-    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    model: str | None = setting(
+        None, "Hugging Face checkpoint: a local folder or a hub id. Without it the built-in "
+        "tiny demo model (random weights) is served.", group=MODEL)
+    served_model_name: str | None = setting(
+        None, "the model name GetModelInfo and the gateway report (default: --model)",
+        group=MODEL, metavar="NAME")
+    tokenizer: str | None = setting(None, "tokenizer folder or hub id (default: --model)",
+                                    group=MODEL, metavar="PATH_OR_ID")
+    revision: str | None = setting(
+        None, "branch, tag or commit of a hub model (and of its tokenizer unless --tokenizer "
+        "names another)", group=MODEL)
+    trust_remote_code: bool = setting(
+        False, "run the checkpoint's own modelling code (transformers' trust_remote_code)",
+        group=MODEL)
+    dtype: str = setting(
+        "auto", "weights and activations (default %(default)s: float32 on CPU; on a GPU the "
+        "checkpoint's half dtype, else bfloat16)", group=MODEL,
+        choices=("auto", "float32", "float16", "bfloat16", "float", "half"))
+    seed: int = setting(
+        0, "seed of the global generator that requests without their own seed draw from "
+        "(default %(default)s)", group=MODEL)
+    chat_template: str | None = setting(
+        None, "Jinja chat template, a file or the template itself (default: the tokenizer's)",
+        group=MODEL, metavar="FILE_OR_TEMPLATE")
+    generation_config: str = setting(
+        "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) for fields a request leaves unset: auto = the model's "
+        "generation_config.json, vllm = none (SamplingParams' own), or a folder holding one "
+        "(default %(default)s)", group=MODEL, metavar="auto|vllm|FOLDER")
+    max_logprobs: int = setting(
+        20, "the most logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary "
+        "(default %(default)s)", group=MODEL)
+    # PoolerConfig fields as a dict or JSON text.
+    pooler_config: dict | str | None = setting(
+        None, 'embedding requests\' default pooling, e.g. \'{"pooling_type": "MEAN", '
+        '"normalize": false}\': pooling_type LAST, MEAN or CLS, normalize (L2) true or false; '
+        "a field left out comes from the model (its sentence-transformers modules.json, else "
+        "LAST with normalize for decoders). Requests may override both "
+        "(--override-pooler-config is vLLM's older name)", group=MODEL, metavar="JSON")
+    enforce_eager: bool = setting(
+        False, "accepted for vLLM compatibility and changes nothing: tokenbudget never "
+        "captures CUDA graphs, it always runs eagerly", group=MODEL)
+    device: str | None = setting(
+        None, "cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)", group=MODEL)
+    attention_backend: str = setting(
+        "auto", "paged attention kernel (default %(default)s: the fastest available)",
+        group=MODEL, choices=("auto", "sdpa", "flash_attn"))
     # -- input limits (one client must not exhaust the server's memory) --
-    # Pixels of one image / of a request's images, checked from the file
-    # headers before decoding.
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST
-    # UTF-8 bytes of a text prompt tokenized at most; None: max_model_len x
-    # the tokenizer's longest token (InputProcessor.max_prompt_bytes).
-    max_prompt_bytes: int | None = None
+    max_image_pixels: int = setting(
+        DEFAULT_MAX_IMAGE_PIXELS, "an image with more pixels (width x height, read from its "
+        "header before decoding) is refused with INVALID_ARGUMENT (default %(default)s = "
+        "4096x4096; decoding costs about 10 bytes a pixel; the model's image processor then "
+        "resizes to its own max_pixels)", group=SERVER)
+    max_image_pixels_per_request: int = setting(
+        DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST, "a request whose images add up to more pixels is "
+        "refused before any is decoded (default %(default)s)", group=SERVER)
+    # None: InputProcessor.max_prompt_bytes.
+    max_prompt_bytes: int | None = setting(
+        None, "a text prompt (after its chat template) longer than this in UTF-8 bytes is "
+        "refused before tokenizing; with truncate_prompt_tokens only its tail is tokenized "
+        "(default: --max-model-len x the tokenizer's longest token in bytes, x3 when it "
+        "normalizes Unicode: a text that can never fit)", group=SERVER)
+    grammar_cache_bytes: int = setting(
+        DEFAULT_GRAMMAR_CACHE_BYTES, "compiled structured-output grammars kept for reuse, in "
+        "bytes; least recently used go first (default %(default)s = 512 MiB)", group=SERVER)
+    grammar_compile_timeout_s: float = setting(
+        30.0, "a structured-output grammar not compiled in this time fails its request with "
+        "DEADLINE_EXCEEDED (default %(default)s)", group=SERVER)
+    # -- logging --
+    disable_log_stats: bool = setting(
+        False, "no periodic stats line (as --log-stats-interval 0)", group=LOGGING)
+    enable_log_requests: bool = setting(
+        False, "log one line per finished request at info level (without it: at debug level)",
+        group=LOGGING)
+    tensor_parallel_size: int = setting(
+        1, "shard the model over N worker processes started on this host (torch.distributed: "
+        "gloo on CPU, NCCL on CUDA; default %(default)s). For several hosts, start `python -m "
+        "tokenbudget.worker --rank R --world-size N --dist-init tcp://HOST:PORT` on each and "
+        "give rank 0's address to --worker", group=WORKERS, flags=("-tp",), metavar="N")
+    # -- scheduler (SchedulerConfig's settings; its policy options are policy_options) --
+    max_num_batched_tokens: int = _from(SchedulerConfig, "max_num_batched_tokens")
+    max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
+    # None: the model's, at most DEFAULT_MAX_MODEL_LEN (resolve_max_model_len).
+    max_model_len: int | None = _from(SchedulerConfig, "max_model_len", engine_default=None)
+    long_prefill_token_threshold: int = _from(SchedulerConfig, "long_prefill_token_threshold")
+    policy: str = _from(SchedulerConfig, "policy")
+    async_scheduling: bool = _from(SchedulerConfig, "async_scheduling")
+    enable_chunked_prefill: bool = setting(
+        True, "prompts longer than a step's budget are split into chunks: always on "
+        "(--no-enable-chunked-prefill is refused)", group=SCHEDULER)
+    max_num_partial_prefills: int = setting(
+        1, "prompts partially prefilled at once: 1, what the scheduler does (other values are "
+        "refused)", group=SCHEDULER)
+    encoder_compute_budget: int = _from(SchedulerConfig, "encoder_compute_budget")
+    encoder_cache_size: int = _from(SchedulerConfig, "encoder_cache_size")
+    # vLLM's dict (or its JSON text).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _from(
+        SchedulerConfig, "speculative_config")
     # The SGLang-style options of SchedulerConfig (core.config.POLICY_OPTIONS).
     policy_options: dict[str, Any] = field(default_factory=dict)
-    # -- KV cache --
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    # Prefix-cache block hashes: "sha256" or "xxhash" (faster; the fast-hash extra).
-    hash_algo: str = "sha256"
-    # xxhash's seed (None: random per process); see CacheConfig.hash_seed.
-    hash_seed: int | None = None
-    # The host-memory KV tier: a size like "8GiB", or a number of blocks.
-    kv_offload_memory: int | str | None = None
-    num_offload_blocks: int | None = None
-    kv_load_blocks_per_step: int = 256
-    enable_kv_cache_events: bool = False
+    # -- KV cache (CacheConfig's settings, under vLLM's names) --
+    block_size: int = _from(CacheConfig, "block_size")
+    enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
+    num_gpu_blocks: int | None = _from(CacheConfig, "num_blocks")
+    kv_cache_dtype: str = setting(
+        "auto", "auto (default): the model's dtype, the only one the cache is kept in; naming "
+        "that dtype is accepted, others and fp8 are refused", group=KV_CACHE,
+        choices=KV_CACHE_DTYPES)
+    # Bytes, or a size such as "2GiB" (parse_memory_size).
+    kv_cache_memory: int | str | None = _from(CacheConfig, "kv_cache_memory_bytes")
+    gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
+    hash_algo: str = _from(CacheConfig, "hash_algo")
+    hash_seed: int | None = _from(CacheConfig, "hash_seed")
+    kv_offload_memory: int | str | None = _from(CacheConfig, "kv_offload_memory_bytes")
+    num_offload_blocks: int | None = _from(CacheConfig, "num_offload_blocks")
+    kv_load_blocks_per_step: int = _from(CacheConfig, "kv_load_blocks_per_step")
+    enable_kv_cache_events: bool = _from(CacheConfig, "enable_kv_cache_events")
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -245,14 +308,10 @@ class EngineArgs:
         return self.max_model_len
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
-            encoder_compute_budget=self.encoder_compute_budget,
-            encoder_cache_size=self.encoder_cache_size,
-            speculative_config=self.speculative_config,
-            async_scheduling=self.async_scheduling, **self.policy_options)
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)
+                 if f.name not in POLICY_OPTIONS}
+        return SchedulerConfig(**{**given, "max_model_len": max_model_len},
+                               **self.policy_options)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -294,3 +353,41 @@ def parse_memory_size(value: int | str | None, name: str = "kv_cache_memory") ->
     number, unit, suffix = m.groups()
     base = 1000 if suffix == "b" else 1024
     return int(float(number) * base ** " kmgt".index(unit or " "))
+
+
+def engine_flags() -> list[tuple[str, list[str], dict[str, Any]]]:
+    """The flag of every engine setting, derived from its field: (group,
+    option strings, add_argument keywords), for EngineArgs' fields and
+    SchedulerConfig's policy options; dest is the field's name and the
+    default its default. vLLM's names (ALIASES) are further option strings."""
+    policy = (f for f in dataclasses.fields(SchedulerConfig) if f.name in POLICY_OPTIONS)
+    return [_flag(f) for f in (*dataclasses.fields(EngineArgs), *policy) if "help" in f.metadata]
+
+
+def _flag(f: dataclasses.Field) -> tuple[str, list[str], dict[str, Any]]:
+    meta = f.metadata
+    names = ["--" + f.name.replace("_", "-"), *meta.get("flags", ()),
+             *("--" + alias.replace("_", "-") for alias, name in ALIASES.items()
+               if name == f.name)]
+    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+    kwargs.update((key, meta[key]) for key in ("choices", "metavar") if key in meta)
+    kinds = {t.strip() for t in str(f.type).split("|")} - {"None"}
+    if kinds == {"bool"}:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif "parse" in meta:
+        kwargs["type"] = _argument_type(meta["parse"])
+    elif kinds in ({"int"}, {"float"}):
+        kwargs["type"] = int if kinds == {"int"} else float
+    # Anything else is taken as text, which the config parses (sizes, JSON).
+    return meta["group"], names, kwargs
+
+
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ValueError's message is the flag's error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert

@@ -5,15 +5,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.server.engine.args import EngineArgs, read_chat_template
-from tokenbudget.server.engine.generation_defaults import load_generation_defaults
-from tokenbudget.server.engine.input_processor import InputProcessor, Prompt
+from tokenbudget.server.engine.factory import build_engine_core
+from tokenbudget.server.engine.input_processor import Prompt
 from tokenbudget.server.engine.output_processor import SampleState
-from tokenbudget.server.engine.pooler_defaults import load_pooler_config
 from tokenbudget.server.engine.request_builder import build_pooling_request, build_requests
 
 
@@ -109,45 +107,16 @@ class LLM:
 
     def __init__(self, model: str, **engine_args) -> None:
         args = self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
-        if args.tensor_parallel_size > 1:
-            from tokenbudget.server.executor.tensor_parallel import TensorParallelExecutor
-
-            executor = TensorParallelExecutor(model, args.tensor_parallel_size, dtype=args.dtype,
-                                              device=args.device or "",
-                                              attention_backend=args.attention_backend)
-            text_config = executor.config.get_text_config()
-        else:
-            from tokenbudget.server.executor.inprocess import InProcessExecutor
-            from tokenbudget.worker.worker import Worker
-
-            worker = Worker(model, dtype=args.dtype, device=args.device,
-                            attention_backend=args.attention_backend,
-                            trust_remote_code=args.trust_remote_code, revision=args.revision,
-                            kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
-            executor = InProcessExecutor(worker, async_mode=args.async_scheduling)
-            text_config = worker.model_runner.text_config
-        vocab_size = text_config.vocab_size
-        max_model_len = args.resolve_max_model_len(text_config)
-        self.scheduler_config = args.scheduler_config(max_model_len)
-        self.cache_config = args.cache_config()
-        self.input_processor = InputProcessor.from_pretrained(
-            model, vocab_size=vocab_size, trust_remote_code=args.trust_remote_code,
-            tokenizer=args.tokenizer, revision=args.revision,
-            chat_template=args.read_chat_template(),
-            max_logprobs=args.max_logprobs_for(vocab_size),
-            **args.input_limits(max_model_len))
-        self.generation_defaults = load_generation_defaults(
-            model, source=args.generation_config, revision=args.revision,
-            tokenizer_eos_token_id=self.input_processor.eos_token_id)
-        self.eos_token_ids = self.generation_defaults.eos_token_ids
-        self.pooler_config = load_pooler_config(model, args.pooler_config, revision=args.revision)
-        self.executor = executor
-        # Cheap until a structured request arrives (xgrammar loads then).
-        self.structured_output = args.structured_output_manager(self.input_processor.tokenizer,
-                                                                vocab_size)
-        self.engine = EngineCore(self.scheduler_config, self.cache_config, self.executor,
-                                 self.structured_output,
-                                 max_model_len_given=args.max_model_len is not None)
+        parts = build_engine_core(args)
+        self.engine = parts.core
+        self.executor = parts.core.executor
+        self.scheduler_config = parts.core.scheduler.scheduler_config
+        self.cache_config = parts.core.scheduler.cache_config
+        self.input_processor = parts.input_processor
+        self.generation_defaults = parts.generation_defaults
+        self.eos_token_ids = parts.generation_defaults.eos_token_ids
+        self.pooler_config = parts.pooler_config
+        self.structured_output = parts.structured_output
         self._ids = itertools.count()
 
     def subscribe_kv_events(self, max_pending: int = 1024):

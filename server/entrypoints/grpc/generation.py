@@ -17,14 +17,15 @@ import uuid
 import grpc
 
 from tokenbudget.core.failures import RequestFailedError, UnsupportedRequestError
-from tokenbudget.core.utils.gc_policy import refused_bytes
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
-from tokenbudget.core.sched.scheduler import DuplicateRequestError, QueueFullError
+from tokenbudget.core.failures import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured.manager import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
-from tokenbudget.server.engine.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
+from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenbudget.server.engine.streams import Chunk, RequestStream
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
+from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
 from tokenbudget.server.engine.request_builder import build_pooling_request, build_requests
 
 logger = logging.getLogger(__name__)

@@ -28,16 +28,17 @@ from importlib import metadata
 import grpc
 
 from tokenbudget.core.failures import RequestFailedError, UnsupportedRequestError
-from tokenbudget.core.utils.gc_policy import refused_bytes
 from tokenbudget.core.sampling_params import SamplingParams
-from tokenbudget.core.sched.scheduler import DuplicateRequestError, QueueFullError
+from tokenbudget.core.failures import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured.manager import GrammarTimeoutError
 from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
-from tokenbudget.server.engine.async_engine import AsyncEngine, Chunk, EngineDeadError, RequestStream
+from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenbudget.server.engine.streams import Chunk, RequestStream
 from tokenbudget.core.request import Request
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
 from tokenbudget.server.entrypoints.grpc.generation import make_requests
+from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
 from tokenbudget.server.engine.pooler_defaults import is_embedding_checkpoint
 from tokenbudget.server.engine.request_builder import build_pooling_request
 
