@@ -63,6 +63,15 @@ class MultiModalFeature:
 
 
 class Request:
+    """One request as the scheduler sees it. ``tenant`` names who sent it (fair
+    share); ``ttft_ms`` and ``tpot_ms`` are its latency targets (policy "slo",
+    goodput).
+
+    A pooling (embedding) request gives resolved ``pooling_params`` and no
+    ``sampling_params``: it is scheduled as a prompt with one output token to
+    come (max_tokens=1), computes its prompt only and finishes with the pooled
+    vector instead of a token."""
+
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "mm_features", "cache_salt", "lora_id", "status",
@@ -88,28 +97,8 @@ class Request:
         tpot_ms: float | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> None:
-        """``tenant`` names who sent the request (fair share); ``ttft_ms`` and
-        ``tpot_ms`` are its latency targets (policy "slo", goodput).
-
-        A pooling (embedding) request gives resolved ``pooling_params`` and no
-        ``sampling_params``: it is scheduled as a prompt with one output
-        token to come (max_tokens=1), computes its prompt only and finishes
-        with the pooled vector instead of a token."""
-        if pooling_params is not None:
-            if sampling_params is not None:
-                raise ValueError(f"request {request_id}: give sampling_params or "
-                                 "pooling_params, not both")
-            if not pooling_params.is_resolved:
-                raise ValueError(f"request {request_id}: pooling_params must be resolved "
-                                 "against the model's PoolerConfig first")
-            sampling_params = SamplingParams(max_tokens=1)
-        elif sampling_params is None:
-            raise ValueError(f"request {request_id}: sampling_params must be given")
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id}: prompt_token_ids must not be empty")
-        for name, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
-            if value is not None and not value > 0:
-                raise ValueError(f"request {request_id}: {name} must be > 0, got {value}")
+        sampling_params = _checked_params(request_id, prompt_token_ids, sampling_params,
+                                          pooling_params, ttft_ms, tpot_ms)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -178,3 +167,27 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+def _checked_params(request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams | None,
+                    pooling_params: PoolingParams | None,
+                    ttft_ms: float | None, tpot_ms: float | None) -> SamplingParams:
+    """The request's sampling params (a pooling request's: one token to come),
+    after refusing what cannot be scheduled."""
+    if pooling_params is not None:
+        if sampling_params is not None:
+            raise ValueError(f"request {request_id}: give sampling_params or "
+                             "pooling_params, not both")
+        if not pooling_params.is_resolved:
+            raise ValueError(f"request {request_id}: pooling_params must be resolved "
+                             "against the model's PoolerConfig first")
+        sampling_params = SamplingParams(max_tokens=1)
+    elif sampling_params is None:
+        raise ValueError(f"request {request_id}: sampling_params must be given")
+    if not prompt_token_ids:
+        raise ValueError(f"request {request_id}: prompt_token_ids must not be empty")
+    for name, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
+        if value is not None and not value > 0:
+            raise ValueError(f"request {request_id}: {name} must be > 0, got {value}")
+    return sampling_params

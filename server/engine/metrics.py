@@ -20,6 +20,48 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                  0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
+# (attribute, metric name, help)
+_GAUGES = (
+    ("running", "num_requests_running", "Requests in the running batch."),
+    ("waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
+    ("kv_usage", "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
+    ("prefix_hit_rate", "prefix_cache_hit_rate",
+     "Prefix cache hits / queries, in tokens, since start."),
+    ("offload_used", "kv_offload_blocks_used",
+     "Host KV tier blocks holding KV (swapped or cached)."),
+    ("offload_free", "kv_offload_blocks_free", "Host KV tier blocks holding none."),
+    ("swapped", "num_requests_swapped", "Preempted requests whose KV waits in the host tier."),
+    ("spec_mean_length", "spec_decode_mean_accepted_length",
+     "Tokens per verification step (accepted drafts + 1), since start."),
+)
+# (attribute, metric name, help, the engine stats' running total that feeds it, if one)
+# Speculative decoding uses vLLM's spec_decode_* names.
+_COUNTERS = (
+    ("prefix_queries", "prefix_cache_queries", "Prompt tokens looked up.",
+     "prefix_cache_queries"),
+    ("prefix_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     "prefix_cache_hits"),
+    ("preemptions", "num_preemptions", "Requests preempted (KV recomputed or swapped out).",
+     "num_preemptions"),
+    ("generation_tokens", "generation_tokens", "Tokens generated.", None),
+    ("recomputed", "num_recomputed_tokens",
+     "Tokens computed again after a preemption dropped their KV.", "num_recomputed_tokens"),
+    ("swap_out", "kv_swap_out_blocks", "KV blocks copied device -> host.", "kv_swap_out_blocks"),
+    ("swap_in", "kv_swap_in_blocks", "KV blocks copied host -> device.", "kv_swap_in_blocks"),
+    ("spec_drafts", "spec_decode_num_drafts", "Verification steps with drafts.",
+     "spec_num_drafts"),
+    ("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified.",
+     "spec_num_draft_tokens"),
+    ("spec_accepted", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "spec_num_accepted_tokens"),
+)
+_HISTOGRAMS = (
+    ("ttft", "time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS),
+    ("tpot", "time_per_output_token_seconds", "Mean time between output tokens of a request.",
+     _TPOT_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS),
+)
+
 
 class EngineMetrics:
     """The engine's observer (AsyncEngine calls the hooks below on its
@@ -33,54 +75,18 @@ class EngineMetrics:
         self.interval = interval
         self.stats_logger = StatsLogger(log_interval, log_requests=log_requests)
         self._last = 0.0
-        self._seen: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0,
-                                      "draft_tokens": 0, "accepted": 0, "recomputed": 0,
-                                      "swap_out": 0, "swap_in": 0}
         r, labels = self.registry, ["model_name"]
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"tokenbudget:{name}", doc, labels, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str) -> Any:
-            return Counter(f"tokenbudget:{name}", doc, labels, registry=r).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets) -> Any:
-            return Histogram(f"tokenbudget:{name}", doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
-
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
-                                     "Prefix cache hits / queries, in tokens, since start.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed or swapped out).")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.offload_used = gauge("kv_offload_blocks_used",
-                                  "Host KV tier blocks holding KV (swapped or cached).")
-        self.offload_free = gauge("kv_offload_blocks_free", "Host KV tier blocks holding none.")
-        self.swapped = gauge("num_requests_swapped",
-                             "Preempted requests whose KV waits in the host tier.")
-        self.recomputed = counter("num_recomputed_tokens",
-                                  "Tokens computed again after a preemption dropped their KV.")
-        self.swap_out = counter("kv_swap_out_blocks", "KV blocks copied device -> host.")
-        self.swap_in = counter("kv_swap_in_blocks", "KV blocks copied host -> device.")
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
-                              _LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time between output tokens of a request.", _TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
-                             _LATENCY_BUCKETS)
-        # Speculative decoding (vLLM's spec_decode_* names).
-        self.spec_drafts = counter("spec_decode_num_drafts", "Verification steps with drafts.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
-                                         "Draft tokens verified.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
-                                     "Draft tokens accepted.")
-        self.spec_mean_length = gauge("spec_decode_mean_accepted_length",
-                                      "Tokens per verification step (accepted drafts + 1), "
-                                      "since start.")
+        for attr, name, doc in _GAUGES:
+            setattr(self, attr, Gauge(f"tokenbudget:{name}", doc, labels,
+                                      registry=r).labels(model_name))
+        for attr, name, doc, _ in _COUNTERS:
+            setattr(self, attr, Counter(f"tokenbudget:{name}", doc, labels,
+                                        registry=r).labels(model_name))
+        for attr, name, doc, buckets in _HISTOGRAMS:
+            setattr(self, attr, Histogram(f"tokenbudget:{name}", doc, labels, buckets=buckets,
+                                          registry=r).labels(model_name))
+        # The stats' running totals already counted, per counter fed from them.
+        self._seen: dict[str, int] = {attr: 0 for attr, _, _, field in _COUNTERS if field}
         self._spec_per_position = Counter(
             "tokenbudget:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position.", ["model_name", "position"],
@@ -127,22 +133,15 @@ class EngineMetrics:
         self.offload_used.set(stats.offload_blocks_used)
         self.offload_free.set(stats.num_offload_blocks - stats.offload_blocks_used)
         self.swapped.set(stats.num_swapped_requests)
-        for key, counter, value in (("queries", self.prefix_queries, queries),
-                                    ("hits", self.prefix_hits, hits),
-                                    ("preemptions", self.preemptions, stats.num_preemptions),
-                                    ("drafts", self.spec_drafts, stats.spec_num_drafts),
-                                    ("draft_tokens", self.spec_draft_tokens,
-                                     stats.spec_num_draft_tokens),
-                                    ("accepted", self.spec_accepted,
-                                     stats.spec_num_accepted_tokens),
-                                    ("recomputed", self.recomputed, stats.num_recomputed_tokens),
-                                    ("swap_out", self.swap_out, stats.kv_swap_out_blocks),
-                                    ("swap_in", self.swap_in, stats.kv_swap_in_blocks)):
-            if value < self._seen[key]:  # a fresh scheduler (workers reconnected) counts from 0
-                self._seen[key] = 0
-            if value > self._seen[key]:
-                counter.inc(value - self._seen[key])
-                self._seen[key] = value
+        for attr, _, _, field in _COUNTERS:
+            if not field:
+                continue
+            value = getattr(stats, field)
+            if value < self._seen[attr]:  # a fresh scheduler (workers reconnected) counts from 0
+                self._seen[attr] = 0
+            if value > self._seen[attr]:
+                getattr(self, attr).inc(value - self._seen[attr])
+                self._seen[attr] = value
         self.spec_mean_length.set(stats.spec_mean_accepted_length)
         seen = self._seen_per_position
         for position, value in enumerate(stats.spec_accepted_per_position):

@@ -79,31 +79,40 @@ def measure(model_path: str | None = None, scenarios=SCENARIOS, repeats: int = 2
                 sched.add_request(Request(f"c{run}-{b}-{p}-{k}", prompt,
                                           SamplingParams(max_tokens=d, ignore_eos=True,
                                                          temperature=0.0)))
-            while True:
-                so = sched.schedule()
-                if so.is_empty:
-                    worker.execute_model(so)  # tells the worker what finished
-                    break
-                start = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-                c = so.scheduled_cached_reqs
-                start.update(zip(c.req_ids, c.num_computed_tokens))
-                shape = [(n, start[rid]) for rid, n in so.num_scheduled_tokens.items()]
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = worker.execute_model(so)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                sched.update_from_output(so, out)
-                if run > 0 or repeats == 1:
-                    steps.append({"shape": shape, "seconds": dt,
-                                  "group": f"b{b}-p{p}-t{budget}:{_kind(shape)}"})
+            if run > 0 or repeats == 1:
+                steps += _timed_steps(sched, worker, device, f"b{b}-p{p}-t{budget}")
+            else:
+                _timed_steps(sched, worker, device, "")
     worker.shutdown()
     if tmp is not None:
         tmp.cleanup()
     return {"model": profile.to_dict(), "device": device, "threads": threads,
             "torch": torch.__version__, "steps": steps}
+
+
+def _timed_steps(sched, worker, device: str, label: str) -> list[dict[str, Any]]:
+    """Run ``sched``'s requests to the end on ``worker``, timing each step."""
+    import torch
+
+    steps: list[dict[str, Any]] = []
+    while True:
+        so = sched.schedule()
+        if so.is_empty:
+            worker.execute_model(so)  # tells the worker what finished
+            return steps
+        start = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        c = so.scheduled_cached_reqs
+        start.update(zip(c.req_ids, c.num_computed_tokens))
+        shape = [(n, start[rid]) for rid, n in so.num_scheduled_tokens.items()]
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = worker.execute_model(so)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        sched.update_from_output(so, out)
+        steps.append({"shape": shape, "seconds": dt, "group": f"{label}:{_kind(shape)}"})
 
 
 def fit_recorded(recording: dict[str, Any],

@@ -138,25 +138,52 @@ def fit(model: ModelProfile, hardware: HardwareProfile,
     terms = [probe.terms(shape) for shape, _ in steps]
     flops = np.array([t.flops for t in terms]) / hardware.peak_flops
     nbytes = np.array([t.bytes for t in terms]) / hardware.memory_bandwidth
-    reqs = np.array([t.num_requests for t in terms], dtype=float)
-    toks = np.array([t.num_tokens for t in terms], dtype=float)
-    prefills = np.array([t.num_prefills for t in terms], dtype=float)
+    # The linear terms: step, per request, per token, per prefill chunk.
+    rest = np.array([(1.0, t.num_requests, t.num_tokens, t.num_prefills) for t in terms])
     y = np.array([s for _, s in steps])
-    # Every shape group weighs the same, however many steps it has.
-    w = np.ones_like(y)
+    w = _group_weights(groups, len(y))
+    x = _best_threshold_fit(flops, nbytes, rest, y, w)
+    inv_c, inv_m = x[0], x[1]
+    constants = CostConstants(
+        compute_efficiency=1.0 / inv_c if inv_c > 0 else float("inf"),
+        memory_efficiency=1.0 / inv_m if inv_m > 0 else float("inf"),
+        step_overhead_s=float(x[2]), per_request_s=float(x[3]), per_token_s=float(x[4]),
+        per_prefill_s=float(x[5]))
+    fitted = CostModel(model, hardware, constants)
+    pred = np.array([fitted.time_of(t) for t in terms])
+    rel = np.abs(pred - y) / y
+    by_group: dict[str, tuple[float, float, float]] = {}
     if groups is not None:
-        counts: dict[str, int] = {}
-        for g in groups:
-            counts[g] = counts.get(g, 0) + 1
-        w = np.sqrt(np.array([1.0 / counts[g] for g in groups]))
-    # Coefficients: 1/compute_eff, 1/memory_eff, step, per request, per token,
-    # per prefill chunk.
-    rest = np.stack([np.ones_like(y), reqs, toks, prefills], axis=1)
+        labels = np.array(groups)
+        for g in dict.fromkeys(groups):
+            sel = labels == g
+            m, p = float(np.median(y[sel])), float(np.median(pred[sel]))
+            by_group[g] = (m, p, abs(p - m) / m)
+    return FitReport(constants, float(rel.mean()), float(rel.max()), by_group)
+
+
+def _group_weights(groups: Sequence[str] | None, n: int):
+    """Every shape group weighs the same, however many steps it has."""
+    import numpy as np
+
+    if groups is None:
+        return np.ones(n)
+    counts: dict[str, int] = {}
+    for g in groups:
+        counts[g] = counts.get(g, 0) + 1
+    return np.sqrt(np.array([1.0 / counts[g] for g in groups]))
+
+
+def _best_threshold_fit(flops, nbytes, rest, y, w):
+    """Coefficients (1/compute_eff, 1/memory_eff, then ``rest``'s) of the
+    best-fitting bound threshold (see fit)."""
+    import numpy as np
+
     ratio = flops / nbytes
     cuts = np.unique(ratio)
     if len(cuts) > _MAX_THRESHOLDS:
         cuts = np.unique(np.quantile(ratio, np.linspace(0, 1, _MAX_THRESHOLDS)))
-    best, x = float("inf"), np.zeros(6)
+    best, x = float("inf"), np.zeros(2 + rest.shape[1])
     for cut in [*cuts, np.inf]:
         compute_bound = ratio >= cut
         a = np.concatenate([np.where(compute_bound, flops, 0.0)[:, None],
@@ -168,20 +195,4 @@ def fit(model: ModelProfile, hardware: HardwareProfile,
         # hang on the last bits of a solve.
         if err < best * (1 - 1e-9):
             best, x = err, sol
-    inv_c, inv_m = x[0], x[1]
-    constants = CostConstants(
-        compute_efficiency=1.0 / inv_c if inv_c > 0 else float("inf"),
-        memory_efficiency=1.0 / inv_m if inv_m > 0 else float("inf"),
-        step_overhead_s=float(x[2]), per_request_s=float(x[3]), per_token_s=float(x[4]),
-        per_prefill_s=float(x[5]))
-    model_ = CostModel(model, hardware, constants)
-    pred = np.array([model_.time_of(t) for t in terms])
-    rel = np.abs(pred - y) / y
-    by_group: dict[str, tuple[float, float, float]] = {}
-    if groups is not None:
-        labels = np.array(groups)
-        for g in dict.fromkeys(groups):
-            sel = labels == g
-            m, p = float(np.median(y[sel])), float(np.median(pred[sel]))
-            by_group[g] = (m, p, abs(p - m) / m)
-    return FitReport(constants, float(rel.mean()), float(rel.max()), by_group)
+    return x

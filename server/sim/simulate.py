@@ -23,7 +23,7 @@ from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.server.sim.cost_model import CostModel
 from tokenbudget.server.sim.executor import SimClock, SimulatedExecutor, sim_token
 from tokenbudget.server.sim.profiles import CostConstants, HardwareProfile, ModelProfile
-from tokenbudget.server.sim.traces import TraceRequest
+from tokenbudget.server.engine.trace import TraceRequest
 
 ROUTERS = ("round-robin", "least-load", "cache-aware")
 
@@ -194,13 +194,7 @@ def simulate(trace: Sequence[TraceRequest], *, model: ModelProfile, hardware: Ha
     route = Router(router)
     prompts = PromptBuilder(seed, vocab, eos, block_size, trace)
     n = len(trace)
-    # Plain lists in the loop (a numpy scalar access costs more than the
-    # scheduler's work for a decode); arrays for the summary.
-    first = [math.nan] * n
-    finish = [math.nan] * n
-    n_out = [0] * n
-    refused = [False] * n
-    index_of: dict[str, int] = {}
+    tally = _Tally(n)
     span = (trace[-1].arrival_s - trace[0].arrival_s) if n else 0.0
     kv_every = max(span, 1.0) / kv_samples
     next_sample = [0.0] * num_replicas
@@ -213,19 +207,8 @@ def simulate(trace: Sequence[TraceRequest], *, model: ModelProfile, hardware: Ha
         else:
             t_step = min(r.clock.now for r in busy) if busy else math.inf
         if i < n and trace[i].arrival_s <= t_step:
-            tr = trace[i]
-            rid = f"r{i}"
-            req = Request(rid, prompts.build(tr, i),
-                          SamplingParams(max_tokens=max(tr.output_len, 1)), eos_token_id=eos,
-                          arrival_time=tr.arrival_s, tenant=tr.tenant, ttft_ms=tr.ttft_ms,
-                          tpot_ms=tr.tpot_ms)
-            rep = route.pick(replicas, req)
-            rep.num_routed += 1
-            if not rep.engine.has_unfinished_requests():
-                rep.clock.now = max(rep.clock.now, tr.arrival_s)
-            rep.executor.plans[rid] = (i, tr.output_len)
-            index_of[rid] = i
-            rep.engine.add_request(req)
+            rep = _admit(trace[i], i, prompts, route, replicas, eos)
+            tally.index_of[f"r{i}"] = i
             if rep not in busy:
                 busy.append(rep)
             i += 1
@@ -234,18 +217,7 @@ def simulate(trace: Sequence[TraceRequest], *, model: ModelProfile, hardware: Ha
         before = rep.clock.now
         outputs = rep.engine.step()
         now = rep.clock.now
-        for o in outputs:
-            k = index_of[o.request_id]
-            new = o.new_token_ids
-            if new:
-                if not n_out[k]:
-                    first[k] = now
-                n_out[k] += len(new)
-            if o.finish_reason is not None:
-                finish[k] = now
-                del index_of[o.request_id]
-                if o.finish_reason == "abort":
-                    refused[k] = True
+        tally.record(outputs, now)
         if now >= next_sample[rep.index]:
             rep.kv_usage.append((now, rep.scheduler.kv_cache_manager.usage()))
             next_sample[rep.index] = now + kv_every
@@ -256,9 +228,55 @@ def simulate(trace: Sequence[TraceRequest], *, model: ModelProfile, hardware: Ha
             # time pass to the next arrival rather than spin.
             rep.clock.now = trace[i].arrival_s if i < n else now + 1e-3
     wall = time.perf_counter() - wall0
-    return _summarize(trace, replicas, np.array(first, dtype=float),
-                      np.array(finish, dtype=float), np.array(n_out, dtype=np.int64),
-                      np.array(refused, dtype=bool), wall, ttft_ms, tpot_ms)
+    return _summarize(trace, replicas, np.array(tally.first, dtype=float),
+                      np.array(tally.finish, dtype=float), np.array(tally.n_out, dtype=np.int64),
+                      np.array(tally.refused, dtype=bool), wall, ttft_ms, tpot_ms)
+
+
+def _admit(tr: TraceRequest, i: int, prompts: PromptBuilder, route: Router,
+           replicas: list[Replica], eos: int) -> Replica:
+    """Route trace request ``i`` to a replica and add it there."""
+    rid = f"r{i}"
+    req = Request(rid, prompts.build(tr, i),
+                  SamplingParams(max_tokens=max(tr.output_len, 1)), eos_token_id=eos,
+                  arrival_time=tr.arrival_s, tenant=tr.tenant, ttft_ms=tr.ttft_ms,
+                  tpot_ms=tr.tpot_ms)
+    rep = route.pick(replicas, req)
+    rep.num_routed += 1
+    if not rep.engine.has_unfinished_requests():
+        rep.clock.now = max(rep.clock.now, tr.arrival_s)
+    rep.executor.plans[rid] = (i, tr.output_len)
+    rep.engine.add_request(req)
+    return rep
+
+
+class _Tally:
+    """Per trace request: first-token and finish time, tokens out, refused.
+    Plain lists (a numpy scalar access costs more than the scheduler's work
+    for a decode); the summary makes arrays."""
+
+    __slots__ = ("first", "finish", "n_out", "refused", "index_of")
+
+    def __init__(self, n: int) -> None:
+        self.first = [math.nan] * n
+        self.finish = [math.nan] * n
+        self.n_out = [0] * n
+        self.refused = [False] * n
+        self.index_of: dict[str, int] = {}
+
+    def record(self, outputs, now: float) -> None:
+        for o in outputs:
+            k = self.index_of[o.request_id]
+            new = o.new_token_ids
+            if new:
+                if not self.n_out[k]:
+                    self.first[k] = now
+                self.n_out[k] += len(new)
+            if o.finish_reason is not None:
+                self.finish[k] = now
+                del self.index_of[o.request_id]
+                if o.finish_reason == "abort":
+                    self.refused[k] = True
 
 
 def _pct(values, qs=(50, 90, 99)) -> dict[str, float]:
