@@ -214,7 +214,7 @@ def cmd_codec(args) -> None:
     from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
                                   Scheduler, SchedulerConfig)
     from tokenbudget.core.utils.gc_policy import configure_gc
-    from tokenbudget.proto import convert, worker_pb2
+    from tokenbudget.proto import step_stream, worker_pb2
 
     rng = random.Random(0)
     default_thresholds = gc.get_threshold()
@@ -231,8 +231,8 @@ def cmd_codec(args) -> None:
             sched.add_request(Request(f"req-{i}", [rng.randrange(1, 32000) for _ in range(512)],
                                       SamplingParams(max_tokens=256, ignore_eos=True)))
         # The engine's encoder and a worker's decoder: they share request handles.
-        encoder, decoder = convert.SchedulerOutputEncoder(), convert.SchedulerOutputDecoder()
-        reply_decoder = convert.ModelRunnerOutputDecoder()
+        encoder, decoder = step_stream.SchedulerOutputEncoder(), step_stream.SchedulerOutputDecoder()
+        reply_decoder = step_stream.ModelRunnerOutputDecoder()
         t = {"schedule": 0.0, "update": 0.0, "encode": 0.0, "decode": 0.0, "wire": 0.0}
         gc_timer = _GCTimer()
         gc.callbacks.append(gc_timer)
@@ -258,7 +258,7 @@ def cmd_codec(args) -> None:
             steady = all(done) and len(req_ids) == n  # steady decode steps only are timed
             gc_timer.active = steady
             e = time.perf_counter()
-            msg = convert.model_runner_output_to_proto(mro, 0, req_ids)
+            msg = step_stream.model_runner_output_to_proto(mro, 0, req_ids)
             e1 = time.perf_counter()
             wire2 = msg.SerializeToString()
             f = time.perf_counter()

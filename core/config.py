@@ -131,7 +131,7 @@ class SchedulerConfig:
         0, "waiting requests beyond this are refused with RESOURCE_EXHAUSTED; with --policy "
         "priority the worst queued one is evicted for a strictly better newcomer (default 0: "
         "unlimited)", group=POLICY)
-    # -- SLO-aware and fair-share scheduling (core/policy/slo.py) --
+    # -- SLO-aware (core/policy/slo.py) and fair-share (core/policy/fair_share.py) --
     slo_reject_late: bool = setting(
         False, "--policy slo: refuse (finish \"abort\") a waiting request that cannot get its "
         "first token by its ttft_ms deadline, instead of letting it wait behind the ones that "

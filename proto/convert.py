@@ -11,7 +11,6 @@ scheduler side (core) stays torch-free.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import struct
 import sys
@@ -371,17 +370,3 @@ def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
     return PoolingParams(msg.pooling_type if msg.HasField("pooling_type") else None,
                          msg.normalize if msg.HasField("normalize") else None)
 
-
-# -- moved ---------------------------------------------------------------------------
-
-# The step-stream codec moved to proto/step_stream.py (which imports this
-# module); these names stay reachable here, looked up on first use, for
-# callers written before the split (tests, benchmarks).
-_MOVED_TO_STEP_STREAM = frozenset({"SchedulerOutputEncoder", "SchedulerOutputDecoder",
-                                   "model_runner_output_to_proto", "ModelRunnerOutputDecoder"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_STEP_STREAM:
-        return getattr(importlib.import_module("tokenbudget.proto.step_stream"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -115,18 +115,6 @@ class BlockPool:
         """Blocks holding KV: referenced or cached."""
         return sum(1 for b in self.blocks if b.ref_cnt > 0 or b.block_hash is not None)
 
-    # The host tier's words for the same things: its blocks are slots, all usable.
-    @property
-    def slots(self) -> list[KVCacheBlock]:
-        return self.blocks
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_usable
-
-    def get_num_free(self) -> int:
-        return self.free_queue.num_free
-
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 

@@ -188,7 +188,7 @@ class Scheduler(UpdateFromOutput):
                               kv.prefix_queries, kv.prefix_hits, self.num_preemptions,
                               self.encoder_cache_manager.usage(),
                               self.spec_decoding_stats.copy(),
-                              t.host.num_slots if t.host is not None else 0,
+                              t.host.num_usable if t.host is not None else 0,
                               t.num_offload_blocks_used(), len(t.swapped),
                               t.num_recomputed_tokens, t.num_swapped_out_blocks,
                               t.num_swapped_in_blocks)

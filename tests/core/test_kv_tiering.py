@@ -111,8 +111,8 @@ def test_random_workloads_read_only_their_own_kv_and_leak_no_block_in_either_tie
     t = s.kv_tiering
     assert not t.swapped
     if t.host is not None:
-        assert t.host.get_num_free() == t.host.num_slots
-        assert all(slot.ref_cnt == 0 for slot in t.host.slots)
+        assert t.host.get_num_free_blocks() == t.host.num_usable
+        assert all(slot.ref_cnt == 0 for slot in t.host.blocks)
 
 
 def _pressure(num_offload_blocks: int | None, caching: bool = True):

@@ -227,7 +227,7 @@ def test_random_workloads_keep_scheduler_invariants(data):
     tiering.check_invariants()
     assert not tiering.swapped
     if tiering.host is not None:
-        assert tiering.host.get_num_free() == tiering.host.num_slots, "host slots leaked"
+        assert tiering.host.get_num_free_blocks() == tiering.host.num_usable, "host slots leaked"
     check_events()
     assert not s.running and not s.waiting and not s.kv_cache_manager.req_to_blocks
     assert all(not refs for refs in s.encoder_cache_manager.cached.values())

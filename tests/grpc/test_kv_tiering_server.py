@@ -20,7 +20,7 @@ import pytest
 from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventReplayer
 from tokenbudget.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from tokenbudget.proto import convert, worker_pb2
+from tokenbudget.proto import convert, step_stream, worker_pb2
 from tokenbudget.server.entrypoints.client import Client
 
 BIN = Path(sys.executable).parent
@@ -136,7 +136,7 @@ def test_kv_copies_and_tier_settings_cross_the_worker_protocol():
     convert.configs_to_proto(cache, SchedulerConfig(), msg)
     assert convert.configs_from_proto(msg)[0] == cache
 
-    encoder, decoder = convert.SchedulerOutputEncoder(), convert.SchedulerOutputDecoder()
+    encoder, decoder = step_stream.SchedulerOutputEncoder(), step_stream.SchedulerOutputDecoder()
 
     def send(so: SchedulerOutput) -> tuple[worker_pb2.SchedulerOutput, SchedulerOutput]:
         wire = worker_pb2.SchedulerOutput.FromString(encoder.encode(so).SerializeToString())

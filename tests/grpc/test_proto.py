@@ -13,7 +13,7 @@ from tokenbudget.core import (CacheConfig, CachedRequestData, ModelRunnerOutput,
                               MultiModalFeature, NewRequestData, PromptLogprobs, SamplingParams,
                               SchedulerConfig, SchedulerOutput)
 from tokenbudget.core.pooling_params import PoolingParams
-from tokenbudget.proto import common_pb2, convert, worker_pb2
+from tokenbudget.proto import common_pb2, convert, step_stream, worker_pb2
 from tokenbudget.proto.generate import PROTO_DIR, generate
 
 
@@ -81,8 +81,8 @@ class _Wire:
     over the ExecuteModel stream."""
 
     def __init__(self):
-        self.encoder = convert.SchedulerOutputEncoder()
-        self.decoder = convert.SchedulerOutputDecoder()
+        self.encoder = step_stream.SchedulerOutputEncoder()
+        self.decoder = step_stream.SchedulerOutputDecoder()
         self.step_id = 0
 
     def send(self, so: SchedulerOutput) -> tuple[worker_pb2.SchedulerOutput, SchedulerOutput]:
@@ -95,9 +95,9 @@ class _Wire:
 
 def _reply_round_trip(out: ModelRunnerOutput, order=None,
                       decoder=None) -> tuple[worker_pb2.ModelRunnerOutput, ModelRunnerOutput]:
-    wire = convert.model_runner_output_to_proto(out, 3, order).SerializeToString()
+    wire = step_stream.model_runner_output_to_proto(out, 3, order).SerializeToString()
     msg = worker_pb2.ModelRunnerOutput.FromString(wire)
-    return msg, (decoder or convert.ModelRunnerOutputDecoder()).decode(msg, order)
+    return msg, (decoder or step_stream.ModelRunnerOutputDecoder()).decode(msg, order)
 
 
 def _step(cached: list[str], nct: list[int], blocks=None, **kw) -> SchedulerOutput:
@@ -140,7 +140,7 @@ def test_steady_decode_steps_name_requests_by_handle_and_pack_everything():
     assert not reply.req_ids and not reply.sampled_token_ids.counts  # one packed array
     _assert_same(out, back)
     with pytest.raises(ValueError, match="scheduled_req_ids"):
-        convert.ModelRunnerOutputDecoder().decode(reply)
+        step_stream.ModelRunnerOutputDecoder().decode(reply)
 
 
 def test_a_step_repeating_the_last_ones_requests_and_counts_sends_only_its_deltas():
@@ -168,7 +168,7 @@ def test_a_step_repeating_the_last_ones_requests_and_counts_sends_only_its_delta
 def test_a_repeat_without_a_last_step_is_refused():
     msg = worker_pb2.SchedulerOutput(repeats_last_step=True)
     with pytest.raises(ValueError, match="no last step"):
-        convert.SchedulerOutputDecoder().decode(msg)
+        step_stream.SchedulerOutputDecoder().decode(msg)
 
 
 def test_random_step_sequences_round_trip_exactly():
@@ -261,11 +261,11 @@ def test_handles_follow_requests_through_finish_preempt_resume_and_id_reuse():
 
 def test_a_step_naming_an_unsent_request_is_refused():
     with pytest.raises(ValueError, match="'ghost'"):
-        convert.SchedulerOutputEncoder().encode(_step(["ghost"], [1]))
+        step_stream.SchedulerOutputEncoder().encode(_step(["ghost"], [1]))
     msg = worker_pb2.SchedulerOutput(
         scheduled_cached_reqs=worker_pb2.CachedRequests(handles=convert._i32([7])))
     with pytest.raises(ValueError, match="never announced"):
-        convert.SchedulerOutputDecoder().decode(msg)
+        step_stream.SchedulerOutputDecoder().decode(msg)
 
 
 def test_empty_scheduler_output_round_trips():
@@ -282,7 +282,7 @@ def test_model_runner_output_round_trips_with_logprobs_drafts_and_pooler():
         spec_token_ids=[[1, 2], [], [3]],
         prompt_logprobs={"b": PromptLogprobs(17, [{4: -0.5, 6: -0.25}, {9: -3.0}])})
     _assert_same(out, _reply_round_trip(out)[1])
-    decoder = convert.ModelRunnerOutputDecoder()
+    decoder = step_stream.ModelRunnerOutputDecoder()
     for sampled in ([[4]], [[]], [[1, 2]]):  # one decoder across steps of varying shape
         plain = ModelRunnerOutput(["a"], {"a": 0}, sampled)
         _assert_same(plain, _reply_round_trip(plain, ["a"], decoder)[1])

@@ -13,7 +13,7 @@ import pytest
 from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
 from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       SchedulerOutput)
-from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
+from tokenbudget.proto import step_stream, worker_pb2, worker_pb2_grpc
 from tokenbudget.proto.rpc.auth import WorkerSecretInterceptor
 from tokenbudget.server.executor.remote import RemoteExecutor, WorkerUnavailableError
 
@@ -41,7 +41,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitializeResponse(num_blocks=self.num_blocks)
 
     def ExecuteModel(self, request_iterator, context):
-        decoder = convert.SchedulerOutputDecoder()
+        decoder = step_stream.SchedulerOutputDecoder()
         for msg in request_iterator:
             ids = list(decoder.decode(msg).num_scheduled_tokens)
             if msg.step_id == self.hang_at and self.initialized == 1:
@@ -53,7 +53,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
                                     [[msg.step_id * 10 + i] for i in range(len(ids))])
             self.sent[msg.step_id] = out
-            yield convert.model_runner_output_to_proto(out, msg.step_id, ids)
+            yield step_stream.model_runner_output_to_proto(out, msg.step_id, ids)
         self.half_closed.set()
 
     def Health(self, request, context):
