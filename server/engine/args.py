@@ -26,6 +26,7 @@ from tokenbudget.core.config import (DEFAULT_MAX_MODEL_LEN, KV_CACHE, POLICY, PO
                                      SCHEDULER, CacheConfig, SchedulerConfig, setting)
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolerConfig
+from tokenbudget.server.engine.compat import TOKENIZER_MODES, check_compat, parse_mm_limits
 from tokenbudget.core.structured.manager import DEFAULT_GRAMMAR_CACHE_BYTES
 from tokenbudget.server.engine.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
                                              DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST)
@@ -70,6 +71,13 @@ class EngineArgs:
         group=MODEL, metavar="NAME")
     tokenizer: str | None = setting(None, "tokenizer folder or hub id (default: --model)",
                                     group=MODEL, metavar="PATH_OR_ID")
+    tokenizer_mode: str = setting(
+        "auto", "auto: the checkpoint's fast (Rust) tokenizer, the only kind transformers 5 "
+        "loads (default; vLLM's slow, mistral and custom modes are refused)", group=MODEL,
+        choices=TOKENIZER_MODES)
+    download_dir: str | None = setting(
+        None, "download hub checkpoints to and load them from this folder (default: the "
+        "Hugging Face cache, $HF_HUB_CACHE)", group=MODEL, metavar="DIR")
     revision: str | None = setting(
         None, "branch, tag or commit of a hub model (and of its tokenizer unless --tokenizer "
         "names another)", group=MODEL)
@@ -118,6 +126,11 @@ class EngineArgs:
     max_image_pixels_per_request: int = setting(
         DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST, "a request whose images add up to more pixels is "
         "refused before any is decoded (default %(default)s)", group=SERVER)
+    limit_mm_per_prompt: dict[str, int] | None = setting(
+        None, "the most items of each modality one prompt may carry, as vLLM's JSON, e.g. "
+        "'{\"image\": 2}'; a prompt with more is refused (INVALID_ARGUMENT). Images are the "
+        "only modality served (default: no limit but the pixel limits)", group=SERVER,
+        metavar="JSON", parse=parse_mm_limits)
     # None: InputProcessor.max_prompt_bytes.
     max_prompt_bytes: int | None = setting(
         None, "a text prompt (after its chat template) longer than this in UTF-8 bytes is "
@@ -246,6 +259,7 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
         PoolerConfig.overrides(self.pooler_config)
+        check_compat(self)
         if self.hash_algo == "xxhash":
             try:
                 import xxhash  # noqa: F401
@@ -276,7 +290,8 @@ class EngineArgs:
         """InputProcessor keywords: the context and the prompt and image limits."""
         return {"max_model_len": max_model_len, "max_prompt_bytes": self.max_prompt_bytes,
                 "max_image_pixels": self.max_image_pixels,
-                "max_image_pixels_per_request": self.max_image_pixels_per_request}
+                "max_image_pixels_per_request": self.max_image_pixels_per_request,
+                "max_images_per_prompt": (self.limit_mm_per_prompt or {}).get("image")}
 
     def structured_output_manager(self, tokenizer: Any, vocab_size: int):
         """The StructuredOutputManager with these settings (xgrammar loads on first use)."""

@@ -33,8 +33,8 @@ class InputProcessor:
                  max_logprobs: int | None = None, max_model_len: int | None = None,
                  max_prompt_bytes: int | None = None,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST
-                 ) -> None:
+                 max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
+                 max_images_per_prompt: int | None = None) -> None:
         """``max_logprobs``: the most (prompt) logprobs a request may ask for
         (vLLM's engine argument; None: up to the vocabulary size).
 
@@ -44,7 +44,7 @@ class InputProcessor:
         tokenized. None: ``max_model_len`` times the tokenizer's longest
         token in bytes (times 3 when it normalizes Unicode), the shortest text
         that can never fit (no limit while ``max_model_len`` is None; the
-        AsyncEngine sets it). The pixel limits: see mm_processor."""
+        AsyncEngine sets it). The pixel and image-count limits: see mm_processor."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_logprobs = vocab_size if max_logprobs is None else max_logprobs
@@ -58,6 +58,7 @@ class InputProcessor:
         self._max_token_bytes: int | None = None
         self.max_image_pixels = max_image_pixels
         self.max_image_pixels_per_request = max_image_pixels_per_request
+        self.max_images_per_prompt = max_images_per_prompt
         self._model_path = model_path
         self._mm_processor = None
 
@@ -221,7 +222,7 @@ class InputProcessor:
             self._mm_processor = MultiModalProcessor.from_pretrained(
                 self._model_path, max_image_pixels=self.max_image_pixels,
                 max_image_pixels_per_request=self.max_image_pixels_per_request,
-                encode=self._encode)
+                max_images_per_prompt=self.max_images_per_prompt, encode=self._encode)
         return self._mm_processor
 
     def validate(self, token_ids: list[int]) -> None:

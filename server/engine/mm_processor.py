@@ -38,6 +38,7 @@ class MultiModalProcessor:
     def __init__(self, tokenizer: Any, image_processor: Any, *,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
+                 max_images_per_prompt: int | None = None,
                  encode: Callable[[str, str], list[int]] | None = None) -> None:
         for name, value in (("max_image_pixels", max_image_pixels),
                             ("max_image_pixels_per_request", max_image_pixels_per_request)):
@@ -47,6 +48,8 @@ class MultiModalProcessor:
         self.image_processor = image_processor
         self.max_image_pixels = max_image_pixels
         self.max_image_pixels_per_request = max_image_pixels_per_request
+        # limit_mm_per_prompt's image count (None: no limit).
+        self.max_images_per_prompt = max_images_per_prompt
         self._encode = encode or (lambda text, field: tokenizer.encode(text,
                                                                        add_special_tokens=False))
         self.image_token_id: int = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
@@ -86,6 +89,10 @@ class MultiModalProcessor:
 
     def _expand(self, token_ids: list[int], images: list[tuple[str, Any]],
                 field: str) -> tuple[list[int], list[MultiModalFeature]]:
+        limit = self.max_images_per_prompt
+        if limit is not None and len(images) > limit:
+            raise ValueError(f"{field}: {len(images)} images, more than the server's "
+                             f"limit_mm_per_prompt of {limit} per prompt")
         placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(placeholders) != len(images):
             raise ValueError(f"{field}: {len(images)} image(s) but the prompt has "

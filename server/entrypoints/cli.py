@@ -15,6 +15,7 @@ The gRPC and metrics ports listen on 127.0.0.1 unless --host says otherwise;
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import logging
 import sys
@@ -25,6 +26,7 @@ from tokenbudget.core.utils.gc_policy import configure_gc
 from tokenbudget.server.engine.args import GROUPS, engine_flags
 from tokenbudget.server.entrypoints.grpc.server import serve
 from tokenbudget.server.entrypoints.server_flags import AFTER_ENGINE, SERVER_FLAGS
+from tokenbudget.server.entrypoints.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -32,10 +34,12 @@ logger = logging.getLogger("tokenbudget.server")
 def build_parser() -> argparse.ArgumentParser:
     """The engine's flags (derived from EngineArgs and the config fields) and
     the server's own (server_flags.SERVER_FLAGS), in the groups of GROUPS."""
-    p = argparse.ArgumentParser(prog="server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="server", description=__doc__, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version",
                    version=f"%(prog)s (tokenbudget) {metadata.version('tokenbudget')}")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     engine = engine_flags()
     for title in GROUPS:
         group = p.add_argument_group(title)
@@ -43,7 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
         theirs = [(names, kwargs) for g, names, kwargs in engine if g == title]
         for names, kwargs in (theirs + ours if title in AFTER_ENGINE else ours + theirs):
             group.add_argument(*names, **kwargs)
+    add_vllm_flags(p)
     return p
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, with the closest flag for a typo, and no usage dump
+    (``server --help`` has it); prefixes of flags are not taken for them."""
+
+    def error(self, message: str) -> NoReturn:
+        flags = [o for o in self._option_string_actions if o.startswith("--")]
+        guesses = [close for word in message.split() if word.startswith("--")
+                   for close in difflib.get_close_matches(word.split("=")[0], flags, n=1)]
+        hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+        print(f"{self.prog}: error: {' '.join(message.split())}{hint}", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
 
 
 def engine_args_from(args: argparse.Namespace):
@@ -51,6 +70,12 @@ def engine_args_from(args: argparse.Namespace):
     ValueError) what cannot be honoured, before anything loads."""
     from tokenbudget.server.engine.args import EngineArgs, UnsupportedArgument
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice ({args.model_tag!r} and --model "
+                             f"{args.model!r}); give it once")
+        args.model = args.model_tag
+    apply_vllm_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     check_server_flags(args)
     if args.worker and args.tensor_parallel_size > 1:
@@ -61,6 +86,7 @@ def engine_args_from(args: argparse.Namespace):
     if args.worker:
         # Initialize carries the model path, dtype, device and attention backend only.
         for flag, given in (("--revision", args.revision is not None),
+                            ("--download-dir", args.download_dir is not None),
                             ("--trust-remote-code", args.trust_remote_code),
                             ("--kv-cache-dtype", args.kv_cache_dtype != "auto")):
             if given:

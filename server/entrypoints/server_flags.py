@@ -59,11 +59,13 @@ SERVER_FLAGS: list[Flag] = [
         default=None, help="require metadata 'authorization: Bearer API_KEY' on every call "
         "(UNAUTHENTICATED otherwise); grpc.health.v1 stays open for probes. Send it over TLS, "
         "or on loopback only")),
-    (SERVER, ("--tls-cert",), dict(
+    (SERVER, ("--tls-cert", "--ssl-certfile"), dict(
         default=None, metavar="PEM",
-        help="serve TLS with this certificate (chain) and --tls-key")),
-    (SERVER, ("--tls-key",), dict(default=None, metavar="PEM",
-                                  help="the private key of --tls-cert")),
+        help="serve TLS with this certificate (chain) and --tls-key (--ssl-certfile: vLLM's "
+        "name)")),
+    (SERVER, ("--tls-key", "--ssl-keyfile"), dict(default=None, metavar="PEM",
+                                  help="the private key of --tls-cert "
+                                  "(--ssl-keyfile: vLLM's name)")),
     (SERVER, ("--tls-client-ca",), dict(
         default=None, metavar="PEM",
         help="mutual TLS: refuse clients without a certificate this CA signed")),

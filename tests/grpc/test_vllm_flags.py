@@ -62,6 +62,28 @@ SETTINGS = [
      lambda s: (s.sched.speculative_config.prompt_lookup_min, s.sched.async_scheduling)
      == (4, False)),
     ([], lambda s: s.sched.speculative_config is None and s.sched.async_scheduling is True),
+    # vLLM's serve flags that are ours under another name or unit (issue 24).
+    (["--swap-space", "4"], lambda s: s.cache.kv_offload_memory_bytes == 4 << 30),
+    (["--swap-space", "0"], lambda s: s.cache.kv_offload_memory_bytes is None),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'],
+     lambda s: s.cache.enable_kv_cache_events is True),
+    (["--kv-events-config", '{"enable_kv_cache_events": false}'],
+     lambda s: s.cache.enable_kv_cache_events is False),
+    (["--limit-mm-per-prompt", '{"image": 2, "video": 0}'],
+     lambda s: s.args.limit_mm_per_prompt == {"image": 2, "video": 0}
+     and s.args.input_limits(64)["max_images_per_prompt"] == 2),
+    (["--limit-mm-per-prompt", '{"image": {"count": 1}}'],
+     lambda s: s.args.input_limits(64)["max_images_per_prompt"] == 1),
+    (["--tokenizer-mode", "auto"], lambda s: s.args.tokenizer_mode == "auto"),
+    (["--download-dir", "/tmp/hub"], lambda s: s.args.download_dir == "/tmp/hub"),
+    # Accepted at the value that asks for what the server does anyway: the
+    # same settings as without them.
+    (["--pipeline-parallel-size", "1", "--data-parallel-size", "1", "--cpu-offload-gb", "0",
+      "--load-format", "safetensors", "--distributed-executor-backend", "mp"],
+     lambda s: (s.sched, s.cache) == (_Settings([]).sched, _Settings([]).cache)),
+    # vLLM's positional model.
+    (["some/model"], lambda s: s.args.model == "some/model"),
+    (["some/model", "--model", "some/model"], lambda s: s.args.model == "some/model"),
 ]
 
 # Flags refused before anything loads: (argv, the reason's words).
@@ -109,6 +131,54 @@ REFUSED = [
     (["--tensor-parallel-size", "2", "--trust-remote-code"], "trust_remote_code with "
      "tensor_parallel_size > 1 is not supported"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1, got 0"),
+    # vLLM's serve flags with nothing to honour here: why, and what to use instead (issue 24).
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2 is not supported: "
+     "pipeline parallelism is not implemented; shard the model with --tensor-parallel-size"),
+    (["-pp", "2"], "--pipeline-parallel-size 2 is not supported"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2 is not supported: data "
+     "parallelism is N `server` processes behind the SGLang gateway"),
+    (["--quantization", "awq"], "--quantization awq is not supported: quantized weights"),
+    (["--load-format", "gguf"], "--load-format gguf is not supported: checkpoints load with "
+     "transformers"),
+    (["--enable-lora"], "--enable-lora is not supported: LoRA adapters are not supported yet"),
+    (["--lora-modules", "sql=/adapters/sql"], "--lora-modules sql=/adapters/sql is not "
+     "supported: LoRA"),
+    (["--max-lora-rank", "64"], "--max-lora-rank 64 is not supported: LoRA"),
+    (["--uvicorn-log-level", "debug"], "--uvicorn-log-level debug is not supported: this "
+     "server speaks gRPC, not HTTP: use --log-level"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice is not supported: OpenAI "
+     "HTTP, tool calls and reasoning are the SGLang gateway's"),
+    (["--tool-call-parser", "hermes"], "sglang-router with its --tool-call-parser"),
+    (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3 is not supported"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0 is not supported: weights stay on the "
+     "device; --kv-offload-memory"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray is not "
+     "supported"),
+    (["--compilation-config", '{"level": 3}'], "the model runs eagerly"),
+    (["--enable-expert-parallel"], "--enable-expert-parallel is not supported: expert "
+     "parallelism is not implemented"),
+    (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' is not supported: tokenizers load "
+     "with transformers' AutoTokenizer"),
+    (["--tokenizer-mode", "mistral"], "tokenizer_mode='mistral' is not supported"),
+    (["--limit-mm-per-prompt", '{"image": -1}'], "limit_mm_per_prompt.image must be an "
+     "integer >= 0"),
+    (["--limit-mm-per-prompt", '{"smell": 1}'], "limit_mm_per_prompt: unknown modality"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}'],
+     "KV events stream over gRPC"),
+    (["--swap-space", "4", "--kv-offload-memory", "1GiB"], "--swap-space and "
+     "--kv-offload-memory name the same setting"),
+    (["--download-dir", "/tmp/hub", "--worker", "127.0.0.1:1"], "--download-dir with --worker "
+     "is not supported"),
+    (["a/model", "--model", "b/model"], "the model is given twice"),
+    # vLLM's TLS flags are ours: the files are read (and here refused) as --tls-cert/--tls-key.
+    (["--ssl-certfile", "/nonexistent/c.pem", "--ssl-keyfile", "/nonexistent/k.pem"],
+     "--tls-key: cannot read /nonexistent/k.pem"),
+    (["--ssl-certfile", "/nonexistent/c.pem"], "--tls-cert and --tls-key go together"),
+    # Typos: one line with the closest flag, no usage dump; no prefix matching.
+    (["--max-num-seq", "4"], "unrecognized arguments: --max-num-seq (did you mean "
+     "--max-num-seqs?)"),
+    (["--max-model", "64"], "(did you mean --max-model-len?)"),
+    (["--swapspace", "4"], "(did you mean --swap-space?)"),
 ]
 
 
@@ -243,9 +313,10 @@ def test_input_limit_flags_reach_the_engine(flagged_engine):
                                          "max_prompt_bytes=5000 .the server's limit"):
         processor.process("x" * 5001)
     limits = EngineArgs.from_kwargs("m", max_image_pixels=1000, max_prompt_bytes=5000,
-                                    max_image_pixels_per_request=3000).input_limits(256)
+                                    max_image_pixels_per_request=3000,
+                                    limit_mm_per_prompt={"image": 3}).input_limits(256)
     assert limits == {"max_model_len": 256, "max_prompt_bytes": 5000, "max_image_pixels": 1000,
-                      "max_image_pixels_per_request": 3000}
+                      "max_image_pixels_per_request": 3000, "max_images_per_prompt": 3}
     with pytest.raises(ValueError, match="max_image_pixels must be >= 1, got 0"):
         EngineArgs.from_kwargs("m", max_image_pixels=0)
 
@@ -282,3 +353,34 @@ def test_tenant_and_slo_targets_reach_every_sample_request(flagged_engine):
     assert (unset.tenant, unset.ttft_ms, unset.tpot_ms, unset.cache_salt) == (None,) * 4
     with pytest.raises(ValueError, match="ttft_ms must be > 0, got -1.0"):
         servicer._make_requests(make_request("hi", SamplingParams(), ttft_ms=-1.0))
+
+
+def test_download_dir_is_where_hub_models_are_found(tiny_model, tmp_path, monkeypatch):
+    """vLLM's --download-dir: a hub id resolves in that folder's Hugging Face
+    cache (offline here: the model is laid out there as a download would be);
+    without the flag the same command cannot find it."""
+    import shutil
+
+    from tokenbudget.server.entrypoints.client import Client
+    from tests.grpc.conftest import spawn_server
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--tiny--qwen3"
+    shutil.copytree(tiny_model, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    server = spawn_server("download-dir", "tiny/qwen3", "--download-dir", str(tmp_path / "hub"),
+                          "--num-gpu-blocks", "32").wait_listening()
+    try:
+        with Client(server.address) as client:
+            reply = client.generate({"prompt_token_ids": [1, 2, 3]}, max_tokens=4,
+                                    temperature=0.0, ignore_eos=True)
+        assert len(reply.token_ids) == 4
+    finally:
+        server.stop()
+    without = spawn_server("no-download-dir", "tiny/qwen3", "--num-gpu-blocks", "32")
+    assert without.proc.wait(120) != 0
+    without._ready.wait(10)  # its log is read to the end
+    assert "tiny/qwen3" in "".join(without.log)

@@ -122,3 +122,20 @@ def test_unknown_part_type_names_the_field(vl):
     messages = [{"role": "user", "content": [{"type": "audio", "audio": b""}]}]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.type"):
         vl.processor.process_messages(messages)
+
+
+def test_limit_mm_per_prompt_refuses_more_images_than_it_allows(vl, two_image_chat, images):
+    """vLLM's limit_mm_per_prompt ({"image": N}, server --limit-mm-per-prompt)."""
+    from tokenbudget.server.engine.mm_processor import MultiModalProcessor
+
+    one = MultiModalProcessor(vl.processor.tokenizer, vl.processor.image_processor,
+                              max_images_per_prompt=1)
+    with pytest.raises(ValueError, match="messages: 2 images, more than the server's "
+                                         "limit_mm_per_prompt of 1 per prompt"):
+        one.process_messages(two_image_chat)
+    pad = vl.model.config.image_token_id
+    ids, features = one.process_prompt([1, pad, 2], images[:1])
+    assert len(features) == 1
+    two = MultiModalProcessor(vl.processor.tokenizer, vl.processor.image_processor,
+                              max_images_per_prompt=2)
+    assert len(two.process_messages(two_image_chat)[1]) == 2
