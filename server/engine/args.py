@@ -26,7 +26,8 @@ from tokenbudget.core.config import (DEFAULT_MAX_MODEL_LEN, KV_CACHE, POLICY, PO
                                      SCHEDULER, CacheConfig, SchedulerConfig, setting)
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolerConfig
-from tokenbudget.server.engine.compat import TOKENIZER_MODES, check_compat, parse_mm_limits
+from tokenbudget.server.engine.compat import (TOKENIZER_MODES, UnsupportedArgument, check_compat,
+                                              parse_mm_limits)
 from tokenbudget.core.structured.manager import DEFAULT_GRAMMAR_CACHE_BYTES
 from tokenbudget.server.engine.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
                                              DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST)
@@ -43,13 +44,6 @@ ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks",
            "override_pooler_config": "pooler_config"}
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *FP8_KV_CACHE_DTYPES)
-
-
-class UnsupportedArgument(ValueError):
-    """An engine argument vLLM has whose value tokenbudget cannot honour."""
-
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(f"{name} is not supported: {why}")
 
 
 def _from(config: type, name: str, **override: Any) -> Any:

@@ -20,6 +20,13 @@ TOKENIZER_MODES = ("auto", "slow", "mistral", "custom")
 MODALITIES = ("image", "video", "audio")
 
 
+class UnsupportedArgument(ValueError):
+    """An engine argument vLLM has whose value tokenbudget cannot honour."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name} is not supported: {why}")
+
+
 def parse_mm_limits(value: str | dict[str, Any] | None) -> dict[str, int] | None:
     """``limit_mm_per_prompt`` as vLLM writes it (JSON text or a dict), e.g.
     ``{"image": 2}`` or ``{"image": {"count": 2}}``: modality -> count."""
@@ -49,8 +56,6 @@ def parse_mm_limits(value: str | dict[str, Any] | None) -> dict[str, int] | None
 def check_compat(args: Any) -> None:
     """Refuse, naming the setting, what these arguments cannot honour
     (``args``: EngineArgs, normalized in place)."""
-    from tokenbudget.server.engine.args import UnsupportedArgument
-
     if args.tokenizer_mode not in TOKENIZER_MODES:
         raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}, got "
                          f"{args.tokenizer_mode!r}")
