@@ -94,8 +94,10 @@ class EngineMetrics:
         self._model_name = model_name
         self._seen_per_position: list[int] = []
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``port`` (0: one the OS picks); returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
 
     def close(self) -> None:
         self.stats_logger.close()

@@ -173,11 +173,11 @@ def make_metrics(args: argparse.Namespace):
 
 def _serve_metrics(args: argparse.Namespace, metrics) -> None:
     try:
-        metrics.serve(args.metrics_port, args.host)
+        port = metrics.serve(args.metrics_port, args.host)
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         sys.exit(f"server: cannot serve metrics on {args.host}:{args.metrics_port}: {reason}")
-    logger.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    logger.info("Prometheus metrics on http://%s:%d/metrics", args.host, port)
 
 
 def _refuse(message: object) -> NoReturn:
@@ -187,6 +187,14 @@ def _refuse(message: object) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before serving (once serving, it drains)
+        print("server: interrupted during start-up", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _main(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
     try:
         engine_args_from(args)

@@ -27,10 +27,12 @@ def serve(args: argparse.Namespace, engine) -> int:
 
 async def _serve(args: argparse.Namespace, engine) -> int:
     frontend = GrpcFrontend(args, engine)
-    await frontend.start()
+    # Before the port opens (and the "listening" line is printed): a SIGTERM
+    # that arrives the moment the server is up must drain it, not kill it.
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await frontend.start()
     await stop.wait()
     await frontend.drain()
     await frontend.stop()
