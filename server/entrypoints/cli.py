@@ -118,6 +118,26 @@ def check_server_flags(args: argparse.Namespace) -> None:
         read_secret_file(args.worker_secret_file)
     if args.max_concurrent_rpcs < 1:
         raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {args.max_concurrent_rpcs}")
+    if args.openai_port is not None:
+        _check_openai_port(args)
+
+
+def _check_openai_port(args: argparse.Namespace) -> None:
+    from tokenbudget.proto.rpc.ports import BindError, check_port_free
+    from tokenbudget.server.entrypoints.openai_gateway import check_installed
+
+    check_installed()
+    if args.api_key is not None or args.tls_cert is not None:
+        raise ValueError("--openai-port with --api-key or --tls-cert is not supported: the "
+                         "gateway connects to this server without them; run sglang-router "
+                         "yourself with its own TLS and API key settings")
+    if args.openai_port == args.port or args.openai_port < 1:
+        raise ValueError(f"--openai-port must be a free port other than --port, got "
+                         f"{args.openai_port}")
+    try:
+        check_port_free(args.host, args.openai_port)
+    except BindError as exc:
+        raise ValueError(f"--openai-port: {exc}") from None
 
 
 def build_engine(args: argparse.Namespace, metrics=None):

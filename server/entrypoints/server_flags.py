@@ -35,6 +35,11 @@ SERVER_FLAGS: list[Flag] = [
         "gateway's, and Embed) in flight; more are refused at once with RESOURCE_EXHAUSTED. "
         "Health checks, GetStats and GetModelInfo are always answered (default %(default)s; "
         "all streams share one asyncio event loop, --grpc-threads is the old name)")),
+    (SERVER, ("--openai-port",), dict(
+        type=int, default=None, metavar="PORT", help="also serve OpenAI HTTP (/v1/chat/"
+        "completions, /v1/embeddings, ...) on PORT of --host: starts the SGLang model gateway "
+        "(pip install 'tokenbudget[openai]') in front of this server and stops it on shutdown "
+        "(README: OpenAI HTTP in one command)")),
     (SERVER, ("--metrics-port",), dict(
         type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics, "
         "HOST being --host (default: off)")),

@@ -33,10 +33,37 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await frontend.start()
+    gateway = None
+    if getattr(args, "openai_port", None) is not None:
+        gateway = await _start_gateway(args, engine, frontend.port, stop)
     await stop.wait()
+    loop = asyncio.get_running_loop()
+    if gateway is not None:  # first: no new HTTP requests while the server drains
+        await loop.run_in_executor(None, gateway.stop)
     await frontend.drain()
     await frontend.stop()
-    return 0
+    return 1 if gateway is not None and gateway.failed_with is not None else 0
+
+
+async def _start_gateway(args: argparse.Namespace, engine, grpc_port: int,
+                         stop: asyncio.Event):
+    """server --openai-port: the SGLang gateway in front (openai_gateway.py);
+    if it exits, ``stop`` is set and the server stops with status 1."""
+    from tokenbudget.server.entrypoints.openai_gateway import Gateway
+
+    loop = asyncio.get_running_loop()
+    connect = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    gateway = Gateway.start(host=args.host, port=args.openai_port,
+                            grpc_address=f"{connect}:{grpc_port}", model=engine.model_name,
+                            log_level=args.log_level,
+                            on_exit=lambda status: loop.call_soon_threadsafe(stop.set))
+    if await loop.run_in_executor(None, gateway.wait_ready):
+        print(f"OpenAI API (SGLang gateway, pid {gateway.proc.pid}) on "
+              f"http://{args.host}:{args.openai_port}/v1", flush=True)
+    else:
+        logger.error("the SGLang gateway did not start serving this server")
+        stop.set()
+    return gateway
 
 
 class GrpcFrontend:
@@ -46,6 +73,7 @@ class GrpcFrontend:
         self.args = args
         self.engine = engine
         self.server: Any = None
+        self.port = 0  # the bound gRPC port, once started
         self.servicer: Any = None
         self.sglang: Any = None
         self.health: Any = None
@@ -69,6 +97,7 @@ class GrpcFrontend:
         except OSError:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
             raise
+        self.port = port
         self.servicer = add_generation_servicer(self.server, engine)
         # The SGLang model gateway's worker protocol, on the same port.
         self.sglang = sglang_service.add_sglang_scheduler_servicer(
