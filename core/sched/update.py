@@ -129,7 +129,7 @@ class UpdateFromOutput:
             status, kept = check_stop(req, new, max_model_len)
             if som is not None and req.structured_request is not None:
                 status = self._accept_structured(req, kept, status)
-                if rid not in requests:  # its matcher broke: it alone failed
+                if rid not in requests:  # its matcher broke or refused a token: it alone failed
                     outputs += self.take_side_outputs()
                     continue
             lp = None
@@ -182,7 +182,9 @@ class UpdateFromOutput:
     def _accept_structured(self, req: Request, kept: list[int],
                            status: RequestStatus | None) -> RequestStatus | None:
         """Advance ``req``'s grammar matcher by ``kept``; the grammar may end
-        it. A matcher that breaks fails the request alone."""
+        it. A matcher that breaks, or a token the grammar rejects (a worker
+        that did not apply the bitmask), fails the request alone; the caller
+        outputs none of ``kept``."""
         try:
             if self.structured_output_manager.accept_tokens(req, kept) and status is None:
                 req.stop_reason = "grammar"

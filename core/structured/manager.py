@@ -344,15 +344,22 @@ class StructuredOutputManager:
         return self._batch
 
     def accept_tokens(self, req: Request, token_ids: list[int]) -> bool:
-        """Advance the matcher; True when it reached its end (the request stops)."""
+        """Advance the matcher; True when it reached its end (the request stops).
+
+        Raises RuntimeError on a token the grammar rejects: only a worker that
+        did not apply the bitmask samples one, and the request must fail (the
+        scheduler fails it alone, without outputting the token) rather than
+        end as a normal stop with text outside its grammar."""
         matcher = req.structured_request.matcher
         for t in token_ids:
+            if matcher.is_terminated():
+                return True  # past the grammar's end (ends without a stop token)
             if not matcher.accept_token(t):
-                # Only a bitmask that was not applied gets here; stop rather
-                # than emit text outside the grammar.
-                logger.error("request %s: token %d violates its grammar; stopping it",
+                logger.error("request %s: token %d violates its grammar; failing it",
                              req.request_id, t)
-                return True
+                raise RuntimeError(
+                    f"the worker sampled token {t}, which the request's grammar does not "
+                    "allow (it did not apply the grammar bitmask); no output past it")
         return matcher.is_terminated()
 
     def validate_drafts(self, req: Request, draft_token_ids: list[int]) -> list[int]:

@@ -7,6 +7,10 @@ the request in the engine (``SampleState.stopped_by_string``), whose tokens
 still in flight are dropped. Streamed text never shows characters that a stop
 string could still cut: a sample holds back the longest end of its text that
 is a proper prefix of one of its stop strings, and nothing more.
+
+A sample the engine stopped at a stop token (its EOS or a ``stop_token_ids``
+id) outputs that token's id but not its text, unless
+``include_stop_str_in_output`` (vLLM's rule).
 """
 from __future__ import annotations
 
@@ -82,10 +86,19 @@ class SampleState:
 
     def _take(self, out: RequestOutput, delta: SampleDelta) -> None:
         tokens = out.new_token_ids
+        shown = tokens  # the tokens whose text is output
+        if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and tokens \
+                and not self.include_stop:
+            # The engine stopped at a stop token: EOS (no stop reason) or a stop_token_ids id.
+            # As in vLLM its id is output, its text only with include_stop_str_in_output.
+            # (A grammar's end, stop reason "grammar", is an ordinary token.)
+            shown = tokens[:-1]
         if self.stop:
-            tokens = self._add_until_stop(tokens)
+            kept = self._add_until_stop(shown)
+            if self.stop_string is not None:
+                tokens = kept
         elif self.detokenizer is not None:
-            self._unsent += self.detokenizer.add(tokens)  # handed out at the end of update
+            self._unsent += self.detokenizer.add(shown)  # handed out at the end of update
         self.num_tokens += len(tokens)
         delta.token_ids.extend(tokens)
         if out.logprobs is not None:

@@ -10,7 +10,6 @@ import pytest
 
 from tokenbudget.core import SamplingParams
 from tokenbudget.proto import common_pb2, generate_pb2
-from tokenbudget.server.entrypoints.client import Client
 
 PROMPT = list(range(40, 90))  # 50 tokens: a chunked prefill at the servers' budget of 64
 
@@ -82,6 +81,24 @@ def test_streamed_stop_strings_never_take_text_back(client, oracle):
     assert last.usage.completion_tokens == len(want.token_ids)
 
 
+def test_a_stop_tokens_text_is_streamed_only_with_include_stop_str_in_output(client, oracle):
+    """A stop_token_ids id that is an ordinary token of the free output ends the stream: its
+    id is sent, its text only with include_stop_str_in_output (vLLM's rule), as the
+    in-process LLM gives them."""
+    tok = oracle.tokenizer
+    free = oracle.generate({"prompt_token_ids": PROMPT}, _greedy(12))[0].token_ids
+    k = next(k for k in range(2, len(free))
+             if free[k] not in free[:k] and tok.decode(free[k:k + 1]))
+    for include in (False, True):
+        params = _greedy(12, stop_token_ids=[free[k]], include_stop_str_in_output=include)
+        msgs = list(client.generate_stream(PROMPT, params))
+        text = "".join(m.text for m in msgs)
+        assert [t for m in msgs for t in m.token_ids] == free[:k + 1]
+        assert text == tok.decode(free[:k + 1] if include else free[:k])
+        assert text == oracle.generate({"prompt_token_ids": PROMPT}, params)[0].text
+        assert (msgs[-1].finish_reason, msgs[-1].stop_token_id) == ("stop", free[k])
+
+
 def test_bad_words_are_never_generated_and_special_tokens_can_show(client, oracle):
     tok = oracle.tokenizer
     free = oracle.generate({"prompt_token_ids": PROMPT}, _greedy(24))[0]
@@ -103,6 +120,30 @@ def test_bad_words_are_never_generated_and_special_tokens_can_show(client, oracl
     assert hidden.token_ids == [im_start, im_start] and hidden.text == ""
     assert shown.text == "<|im_start|> <|im_start|>"
     assert tight.text == "<|im_start|><|im_start|>"
+
+
+def test_a_multi_token_bad_word_is_banned_where_the_output_would_produce_it(client, oracle):
+    """A bad word that tokenizes to two tokens, taken from the free output: the banned output
+    follows the free one through the word's first token, then turns away from its second.
+
+    Break this catches (tried): the worker's bad-words processor dropping multi-token words
+    (the test above bans a one-token word only, and passed under it)."""
+    tok = oracle.tokenizer
+    free = oracle.generate({"prompt_token_ids": PROMPT}, _greedy(24))[0].token_ids
+
+    def as_word(i: int) -> str | None:
+        """The text of free[i:i + 2] when the front tokenizes it back to exactly those two."""
+        pair = free[i:i + 2]
+        word = tok.decode(pair).strip()
+        forms = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+        return word if word.isprintable() and pair[0] != pair[1] and pair in forms else None
+
+    i, word = next((i, w) for i in range(len(free) - 1) if (w := as_word(i)) is not None)
+    got = client.generate(PROMPT, _greedy(24, bad_words=[word])).token_ids
+    assert got[:i + 1] == free[:i + 1] and got[i + 1] != free[i + 1]
+    assert all(got[k:k + 2] != free[i:i + 2] for k in range(len(got) - 1))
+    assert got == oracle.generate({"prompt_token_ids": PROMPT},
+                                  _greedy(24, bad_words=[word]))[0].token_ids
 
 
 def test_penalties_and_allowed_tokens_over_grpc_equal_the_llm(client, oracle):

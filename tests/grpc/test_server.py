@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tokenbudget.core import SamplingParams
-from tokenbudget.proto import common_pb2, generate_pb2
+from tokenbudget.proto import common_pb2, generate_pb2, sglang_scheduler_pb2_grpc
+from tokenbudget.proto import sglang_scheduler_pb2 as sgl
 from tokenbudget.server.entrypoints.client import Client, make_request
 
 from .conftest import listening_addresses
@@ -203,10 +204,37 @@ def test_duplicate_live_request_id_is_already_exists(client):
     _wait_all_blocks_free(client)
 
 
-def test_client_cancellation_frees_kv_within_a_step(client):
-    call, _ = _start_long(client, "to-cancel")
+def _start_long_sglang(client, request_id: str):
+    """The same through the SGLang gateway's worker protocol (same port), as the gateway sends
+    it; the stream and its first response."""
+    stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(client.channel)
+    call = stub.Generate(sgl.GenerateRequest(
+        request_id=request_id, tokenized=sgl.TokenizedInput(input_ids=list(range(40, 90))),
+        sampling_params=sgl.SamplingParams(max_new_tokens=3000, ignore_eos=True, top_p=1.0,
+                                           repetition_penalty=1.0), stream=True))
+    first = next(call)
+    assert first.WhichOneof("response") == "chunk", first
+    return call, first
+
+
+@pytest.mark.parametrize("start", [_start_long, _start_long_sglang], ids=["Generation", "SGLang"])
+def test_client_cancellation_frees_kv_within_a_step(client, start):
+    """A client that cancels its stream mid-generation, with no Abort sent by anyone (the
+    gateway's own Abort hides this path in tests/gateway): its request is gone and its KV free
+    within a step, long before its 3000 tokens.
+
+    Break this catches (tried, for each service): the servicer's Generate no longer aborting
+    a stream that ended unfinished (its ``finally``)."""
+    _wait_all_blocks_free(client)
+    generated = client.stats().num_generated_tokens
+    call, _ = start(client, "to-cancel")
+    assert client.stats().num_requests == 1
     call.cancel()
     _wait_all_blocks_free(client, timeout=2.0)
+    with pytest.raises(grpc.RpcError) as err:
+        client.abort("to-cancel")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert client.stats().num_generated_tokens - generated < 1000
 
 
 def _metrics(cluster) -> dict[str, float]:

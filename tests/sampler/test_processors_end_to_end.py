@@ -1,7 +1,7 @@
-"""Penalties, logit_bias, bad words, allowed_token_ids and min_tokens through the real engine on the tiny
-Qwen3: greedy tokens equal transformers (generate with repetition_penalty; a naive loop for
-frequency and presence), also across async scheduling, chunked prefill, preemption and
-speculative drafts."""
+"""Penalties, logit_bias, bad words, allowed_token_ids and min_tokens through the real engine on
+the tiny Qwen3: greedy tokens equal transformers (generate with repetition_penalty and
+bad_words_ids; a naive loop for frequency and presence), also across async scheduling, chunked
+prefill, preemption and speculative drafts."""
 from __future__ import annotations
 
 import numpy as np
@@ -80,13 +80,16 @@ def test_repetition_penalty_survives_preemption(tiny_qwen3_path, hf_generate):
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
 
 
-def naive_penalised_generate(hf_model, prompt: list[int], frequency: float,
-                             presence: float) -> list[int]:
-    """Greedy, full forward each step, OpenAI's penalties over the output by hand."""
+def naive_penalised_generate(hf_model, prompt: list[int], frequency: float, presence: float,
+                             bias: dict[int, float]) -> list[int]:
+    """Greedy, full forward each step, logit_bias and OpenAI's penalties over the output by
+    hand."""
     output: list[int] = []
     for _ in range(MAX_TOKENS):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + output])).logits[0, -1]
+        for t, b in bias.items():
+            logits[t] += b
         for t in set(output):
             logits[t] -= frequency * output.count(t) + presence
         output.append(int(logits.argmax()))
@@ -95,13 +98,25 @@ def naive_penalised_generate(hf_model, prompt: list[int], frequency: float,
 
 def test_greedy_frequency_and_presence_penalties_equal_a_naive_loop(llm, prompts, hf_model,
                                                                     hf_generate):
-    settings = [(0.0, 2.0), (2.0, 0.0), (1.0, 1.0)]
+    """A token favoured by logit_bias +3 repeats: presence 1.0 takes 1 from it once, so it stays
+    ahead to the end; frequency 1.0 takes 1 per occurrence, so it comes back a few times and
+    then yields. Each prompt runs frequency only, presence only and both, in one batch.
+
+    Breaks this catches (each tried): the worker applying presence where frequency was asked,
+    and counting each output token once (``counts.clamp(max=1)`` for frequency)."""
     chosen = prompts[1:4]
-    expected = [naive_penalised_generate(hf_model, p, f, pr)
-                for p, (f, pr) in zip(chosen, settings)]
-    assert expected != [hf_generate(p) for p in chosen]
-    params = [greedy(frequency_penalty=f, presence_penalty=pr) for f, pr in settings]
-    assert generate(llm, chosen, params) == expected
+    settings = [(1.0, 0.0), (0.0, 1.0), (0.5, 0.5)]
+    rows = [(p, {hf_generate(p, 1)[0]: 3.0}, f, pr) for p in chosen for f, pr in settings]
+    expected = [naive_penalised_generate(hf_model, p, f, pr, bias) for p, bias, f, pr in rows]
+    for k in range(0, len(rows), len(settings)):
+        frequency_only, presence_only, _ = expected[k:k + len(settings)]
+        assert frequency_only != presence_only
+        (favoured,) = rows[k][1]
+        # The favoured token repeats under both: the count is what tells them apart.
+        assert 1 < frequency_only.count(favoured) < presence_only.count(favoured)
+    params = [greedy(frequency_penalty=f, presence_penalty=pr, logit_bias=bias)
+              for _, bias, f, pr in rows]
+    assert generate(llm, [p for p, *_ in rows], params) == expected
 
 
 def test_logit_bias_forces_its_token(llm, prompts):
@@ -113,14 +128,25 @@ def test_logit_bias_forces_its_token(llm, prompts):
 
 
 def test_bad_words_are_never_generated(llm, prompts, hf_generate):
-    free = hf_generate(prompts[3])
-    # A one-token word and a two-token word that the free output does produce.
-    single, pair = free[0], free[5:7]
-    bad = greedy(bad_words_token_ids=[[single], pair])
-    out = generate(llm, [prompts[3]], bad)[0]
-    assert single not in out
-    assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
-    assert out != free
+    """A one-token word (the free output's first token) and a two-token word that the output
+    with only the one-token ban produces at tokens 5 and 6: with both banned the output follows
+    that one up to token 5 and then turns away. Oracle: transformers' bad_words_ids (whose
+    rule also reads the prompt: it ends in no first token of the pair, so the rules agree).
+
+    Break this catches (tried): the worker's bad-words processor dropping multi-token words.
+    The old test took its pair from the free output, which the one-token ban had already
+    changed: it passed under that break."""
+    prompt = prompts[3]
+    single = hf_generate(prompt)[0]
+    only_single = hf_generate(prompt, bad_words_ids=[[single]])
+    pair = only_single[5:7]
+    assert prompt[-1] != pair[0] and single not in pair
+    expected = hf_generate(prompt, bad_words_ids=[[single], pair])
+    assert expected[:6] == only_single[:6] and expected[6] != pair[1]
+    params = [greedy(bad_words_token_ids=[[single]]), greedy(bad_words_token_ids=[[single], pair])]
+    assert generate(llm, [prompt, prompt], params) == [only_single, expected]
+    assert single not in expected
+    assert all(expected[i:i + 2] != pair for i in range(len(expected) - 1))
 
 
 @pytest.mark.parametrize("favoured", ["eos", "stop_id"])

@@ -155,3 +155,21 @@ def test_a_stop_string_of_single_characters_in_any_order(pieces):
     ids = [vocab.index(p) for p in pieces]
     delta = state.update([RequestOutput("r", ids, "length")])
     assert (delta.finish_reason == "stop") == ("".join(pieces) == "END")
+
+
+@pytest.mark.parametrize("stop_reason", [None, VOCAB.index("x")], ids=["eos", "stop-token-id"])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_shows_only_with_include_stop_str_in_output(stop_reason, include):
+    """vLLM's rule: a sample the engine stopped at a stop token (EOS: no stop reason; a
+    stop_token_ids id) keeps the token's id, and its text only when asked. Its text does not
+    complete a stop string either ("cx" here): the stop token is the reason."""
+    for stop in ([], ["cx"]):
+        state = SampleState(0, SamplingParams(stop=stop, include_stop_str_in_output=include),
+                            CharDetokenizer(VOCAB))
+        first = state.update([RequestOutput("r", _ids("ab"), None)])
+        last = state.update([RequestOutput("r", _ids("c", "x"), "stop", stop_reason=stop_reason)])
+        text = first.text + last.text
+        assert text == ("abcx" if include else "abc"), stop
+        assert last.token_ids == _ids("c", "x")
+        assert (last.finish_reason, last.stop_reason) == \
+            ("stop", "cx" if include and stop else stop_reason)

@@ -3,6 +3,7 @@ cannot fill its bitmask) fails alone: the others of its steps get the tokens
 they get without it, and nothing leaks (issue 10, defect 0)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -84,4 +85,35 @@ def test_a_matcher_that_cannot_fill_its_bitmask_fails_its_request_alone(
     tokens, reason, error = got[3]
     assert tokens == [] and reason == "error"
     assert "RuntimeError: matcher state corrupted" in str(error)
+    no_leaks(llm)
+
+
+@pytest.mark.parametrize("engine", ["llm", "llm_async"])
+def test_a_token_its_grammar_rejects_fails_the_request_and_is_not_output(
+        engine, request, no_leaks, monkeypatch):
+    """A worker that does not apply the grammar bitmask (its executor gets every step without
+    one): greedy, the model's first token is not the regex's "(", so the structured request
+    fails with finish reason "error" and a clear error, and that token is not output; the
+    request beside it gets its tokens.
+
+    Break this catches (tried): accept_tokens ending the request as a normal stop on a refused
+    token (the old rule): the token was output and the finish reason was "stop"."""
+    llm = request.getfixturevalue(engine)
+    greedy_regex = SamplingParams(temperature=0.0, max_tokens=40, structured={"regex": REGEX})
+    first = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                         SamplingParams(temperature=0.0, max_tokens=1))[0].text
+    assert not first.startswith("(")  # the grammar refuses the model's own choice
+    want = _run(llm, PROMPTS[1:2], GOOD[1:2])
+    executor = llm.engine.executor
+    send = executor.execute_model
+    monkeypatch.setattr(executor, "execute_model",
+                        lambda so: send(dataclasses.replace(so, grammar_bitmask=None)))
+    got = _run(llm, PROMPTS[:2], [greedy_regex, GOOD[1]])
+    assert got[1:] == want
+    tokens, reason, error = got[0]
+    assert tokens == [] and reason == "error"
+    assert "grammar does not allow" in str(error) and "bitmask" in str(error)
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy_regex)[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason) == ([], "", "error")
+    assert "grammar does not allow" in out.error
     no_leaks(llm)

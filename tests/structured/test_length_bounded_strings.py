@@ -94,7 +94,7 @@ def _random_walk(manager, ready_request, token_bytes, seed: int) -> bytes:
         token = _pick(rng, _allowed_next(manager, req), token_bytes, text)
         req.append_output_token_ids([token])
         if manager.accept_tokens(req, [token]):
-            # accept_tokens also stops a request on a token its grammar refuses.
+            # The walk picks allowed tokens only (a refused one raises): its end is EOS.
             assert token == req.eos_token_id, (seed, text, token)
             manager.remove_request(req)
             return text

@@ -64,6 +64,34 @@ def test_a_stop_string_that_never_completes_is_emitted_in_full(llm, prompts):
     assert (out.text, out.finish_reason, out.stop_reason) == (full.text, "length", None)
 
 
+@pytest.mark.parametrize("stop", [None, ["@@never"]], ids=["token-ids-only", "and-stop-strings"])
+def test_a_stop_tokens_text_is_output_only_with_include_stop_str_in_output(llm, prompts, stop):
+    """vLLM's rule: a sample ended by a stop token (a stop_token_ids id, or EOS) outputs its
+    id, and its text only with include_stop_str_in_output. The stop id is an ordinary token of
+    the free output (its text is not empty); EOS is forced after min_tokens by logit_bias and
+    shown by skip_special_tokens=False, spaces_between_special_tokens=False."""
+    decode = llm.input_processor.decode
+    prompt = {"prompt_token_ids": prompts[3]}
+    free = llm.generate(prompt, _greedy(12))[0].token_ids
+    k = next(k for k in range(2, len(free)) if free[k] not in free[:k] and decode(free[k:k + 1]))
+    for include in (False, True):
+        out = llm.generate(prompt, _greedy(12, stop=stop, stop_token_ids=[free[k]],
+                                           include_stop_str_in_output=include))[0]
+        assert (out.finish_reason, out.stop_reason) == ("stop", free[k])
+        assert out.token_ids == free[:k + 1]
+        assert out.text == decode(free[:k + 1] if include else free[:k])
+    eos = llm.eos_token_ids[0]
+    for include in (False, True):
+        out = llm.generate(prompt, SamplingParams(
+            max_tokens=12, temperature=0, min_tokens=3, logit_bias={eos: 100.0}, stop=stop,
+            skip_special_tokens=False, spaces_between_special_tokens=False,
+            include_stop_str_in_output=include))[0]
+        assert (out.finish_reason, out.stop_reason) == ("stop", None)
+        assert out.token_ids == free[:3] + [eos]
+        assert out.text == decode(out.token_ids if include else free[:3],
+                                  skip_special_tokens=False)
+
+
 def test_n_samples_are_reproducible_distinct_and_share_the_prompt(llm, prompts):
     prompt = {"prompt_token_ids": prompts[4]}  # 64 tokens: 3 full blocks are shareable
     params = SamplingParams(n=4, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True)
