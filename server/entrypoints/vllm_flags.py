@@ -62,6 +62,9 @@ FLAGS = (
     VllmFlag(("--enable-expert-parallel",), dict(action="store_true", default=None),
              lambda on: not on, "expert parallelism is not implemented; use "
              "--tensor-parallel-size"),
+    VllmFlag(("--hf-overrides",), dict(metavar="JSON"), lambda text: text.strip() in ("", "{}"),
+             "the model's config is read as the checkpoint has it; edit a copy of its "
+             "config.json instead"),
     VllmFlag(("--compilation-config",), dict(metavar="JSON"), _never,
              "the model runs eagerly (no torch.compile or CUDA graphs to configure); drop it"),
     VllmFlag(("--enable-lora",), dict(action="store_true", default=None), lambda on: not on,

@@ -155,6 +155,8 @@ REFUSED = [
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray is not "
      "supported"),
     (["--compilation-config", '{"level": 3}'], "the model runs eagerly"),
+    (["--hf-overrides", '{"rope_theta": 20000}'], "--hf-overrides {\"rope_theta\": 20000} is "
+     "not supported: the model's config is read as the checkpoint has it"),
     (["--enable-expert-parallel"], "--enable-expert-parallel is not supported: expert "
      "parallelism is not implemented"),
     (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' is not supported: tokenizers load "
