@@ -53,19 +53,18 @@ def make_llm(args, model: str, num_gpu_blocks: int, num_offload_blocks: int,
 
 
 class ForwardCounter:
-    """Wraps Scheduler.schedule, summing the tokens each step hands out."""
+    """Wraps the executor's execute_model, summing the tokens each step sends."""
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, executor) -> None:
         self.tokens = 0
         self.steps = 0
-        self._schedule = scheduler.schedule
-        scheduler.schedule = self
+        self._execute = executor.execute_model
+        executor.execute_model = self
 
-    def __call__(self):
-        so = self._schedule()
-        self.tokens += so.total_num_scheduled_tokens
-        self.steps += not so.is_empty
-        return so
+    def __call__(self, scheduler_output):
+        self.tokens += scheduler_output.total_num_scheduled_tokens
+        self.steps += not scheduler_output.is_empty
+        return self._execute(scheduler_output)
 
 
 def pressure(args, model: str) -> dict:
@@ -88,14 +87,14 @@ def pressure(args, model: str) -> dict:
     for _ in range(args.repeat):
         for name, host in (("recompute", 0), ("swap", 2 * demand_blocks)):
             llm = make_llm(args, model, device_blocks, host, args.prompt_len + args.output_len)
-            counter = ForwardCounter(llm.engine.scheduler)
+            counter = ForwardCounter(llm.executor)
             timings = llm.executor.worker.model_runner.timings
             t0, c0 = time.perf_counter(), time.process_time()
             results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             elapsed[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             forward_s = timings["forward"]
-            stats = llm.engine.scheduler.make_stats()
+            stats = llm.engine.stats()
             llm.shutdown()
             tokens[name] = [r.token_ids for r in results]
             out[name] = {"forward_tokens": counter.tokens, "e2e_s": round(min(elapsed[name]), 3),
@@ -149,7 +148,7 @@ def chat(args, model: str) -> dict:
                 ttfts.append(first)
                 histories[c] += reply
                 all_replies.append(reply)
-        stats = engine.scheduler.make_stats()
+        stats = engine.stats()
         replies[name] = all_replies
         t = np.array(ttfts) * 1000
         out[name] = {"prefix_hit_rate": round(stats.prefix_cache_hit_rate, 4),

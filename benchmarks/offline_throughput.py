@@ -10,6 +10,7 @@ step time goes (schedule / prep / forward / sample / output).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -28,10 +29,14 @@ def make_workload(num_prompts: int, vocab: int, seed: int, in_range, out_range):
 
 
 class PhaseTimer:
-    """Wraps a bound method, adding its wall time to ``totals[name]``."""
+    """Wraps a function, adding its wall time to ``totals[name]``; set on a
+    class, it wraps the method for every instance."""
 
     def __init__(self, totals: dict[str, float], name: str, fn) -> None:
         self.totals, self.name, self.fn = totals, name, fn
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else functools.partial(self, obj)
 
     def __call__(self, *args, **kwargs):
         t = time.perf_counter()
@@ -43,6 +48,7 @@ class PhaseTimer:
 
 def run_ours(args, prompts, out_lens) -> dict:
     from tokenbudget.core import SamplingParams
+    from tokenbudget.core.sched.scheduler import Scheduler
     from tokenbudget.server import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
@@ -54,15 +60,20 @@ def run_ours(args, prompts, out_lens) -> dict:
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4])
     runner = llm.executor.worker.model_runner
     runner.timings.clear()
-    scheduler = llm.engine.scheduler
     engine_totals = {"schedule": 0.0, "update": 0.0}
-    scheduler.schedule = PhaseTimer(engine_totals, "schedule", scheduler.schedule)
-    scheduler.update_from_output = PhaseTimer(engine_totals, "update",
-                                              scheduler.update_from_output)
+    # Timed on the class (the engine's scheduler is its own), restored after.
+    timed = {"schedule": "schedule", "update_from_output": "update"}
+    originals = {method: getattr(Scheduler, method) for method in timed}
+    for method, name in timed.items():
+        setattr(Scheduler, method, PhaseTimer(engine_totals, name, originals[method]))
     if args.device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    try:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        for method, fn in originals.items():
+            setattr(Scheduler, method, fn)
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
     assert num_out == sum(out_lens), (num_out, sum(out_lens))

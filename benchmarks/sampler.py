@@ -108,7 +108,7 @@ def end_to_end(rows: int, args) -> dict:
     phases: dict[str, list[dict]] = {name: [] for name in extra}
     for _ in range(args.e2e_repeat):
         for name, kw in extra.items():
-            llm.engine.scheduler.reset_prefix_cache()
+            llm.engine.reset_prefix_cache()
             params = SamplingParams(max_tokens=args.output_len, temperature=1.0, seed=1,
                                     ignore_eos=True, **kw)
             runner.timings.clear()

@@ -110,12 +110,12 @@ def run_once(llm, prompts, params) -> dict:
 
     engine.executor.execute_model = counting
     runner.timings.clear()
-    before = engine.scheduler.make_stats().spec_decoding
+    before = engine.stats().spec_decoding
     t0, c0 = time.perf_counter(), time.process_time()
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     engine.executor.execute_model = execute
-    after = engine.scheduler.make_stats().spec_decoding
+    after = engine.stats().spec_decoding
     tokens = sum(len(r.token_ids) for r in results)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "steps": counts["steps"],
             "propose_s": runner.timings.get("propose", 0.0),

@@ -122,6 +122,22 @@ class ModelRunnerOutput:
         return ModelRunnerOutput([], {}, [])
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """The KV cache a worker allocated, as ``Executor.initialize`` reports it:
+    the scheduler sizes its block pools from this, not from the CacheConfig
+    it asked with (which sized the cache by memory, or left the host tier in
+    bytes)."""
+
+    num_blocks: int  # device blocks, block 0 (the null block) included
+    num_offload_blocks: int = 0  # host KV tier slots (0: no host tier)
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_offload_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str

@@ -68,13 +68,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         request.dtype or "auto", request.device or "default")
             self.worker = self._worker_factory(request.model, request.dtype or "auto",
                                                request.device, request.attention_backend or "auto")
-            num_blocks = self.worker.initialize(cache_config, scheduler_config)
+            spec = self.worker.initialize(cache_config, scheduler_config)
             policy = configure_gc(self._gc_threshold)
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache_config.block_size)
+        logger.info("KV cache: %d blocks of %d tokens", spec.num_blocks, cache_config.block_size)
         logger.info("gc: froze %d objects after loading; thresholds %s", policy.frozen,
                     policy.thresholds)
-        return worker_pb2.InitializeResponse(
-            num_blocks=num_blocks, num_offload_blocks=cache_config.num_offload_blocks or 0)
+        return worker_pb2.InitializeResponse(num_blocks=spec.num_blocks,
+                                             num_offload_blocks=spec.num_offload_blocks)
 
     def ExecuteModel(self, request_iterator, context):
         with self._step_lock:

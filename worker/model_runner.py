@@ -76,6 +76,7 @@ class ModelRunner:
         self.failed: dict[str, RequestFailure] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # the host tier (worker/kv_transfer.py)
+        self.num_offload_blocks = 0  # its slots, for Worker.initialize to report
         self.batch: InputBatch | None = None
         self.block_size = 0
         self.proposer: NgramProposer | None = None
@@ -121,8 +122,7 @@ class ModelRunner:
                                             self.dtype, self.device)
         num_slots = num_offload_slots(cache_config, per_block)
         self.host_kv = HostKVCache(self.kv_caches, num_slots) if num_slots else None
-        if num_slots:
-            cache_config.num_offload_blocks = num_slots  # the scheduler's host slots
+        self.num_offload_blocks = num_slots
         self.batch = InputBatch(scheduler_config.max_num_seqs,
                                 scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
                                 blocks_per_request(scheduler_config, bs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenbudget.worker.kv_cache import ParallelGroup
 from tokenbudget.worker.model_runner import ModelRunner
 
@@ -32,9 +32,12 @@ class Worker:
                                         trust_remote_code=trust_remote_code, revision=revision,
                                         kv_cache_dtype=kv_cache_dtype, parallel=parallel)
 
-    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
-        """Allocate the KV cache; returns the number of blocks (block 0 included)."""
-        return self.model_runner.initialize_kv_cache(cache_config, scheduler_config)
+    def initialize(self, cache_config: CacheConfig,
+                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+        """Allocate the KV cache; returns its size (device blocks, block 0
+        included, and host tier slots). ``cache_config`` is not written to."""
+        num_blocks = self.model_runner.initialize_kv_cache(cache_config, scheduler_config)
+        return KVCacheSpec(num_blocks, self.model_runner.num_offload_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -17,6 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.kv.events import KVEventSubscription
+from tokenbudget.core.structured.manager import StructuredOutputManager
 from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.pooling_params import PoolerConfig
@@ -97,17 +100,10 @@ class AsyncEngine:
         self.is_vision_language = is_vision_language
         self.is_demo = is_demo
         self.num_remote_workers = num_remote_workers
-        self.max_model_len = core.scheduler.scheduler_config.max_model_len
+        self.max_model_len = core.scheduler_config.max_model_len
         if input_processor is not None and input_processor.max_model_len is None:
             # Its prompt-bytes limit and max_tokens clamp follow the engine's context.
             input_processor.max_model_len = self.max_model_len
-        scheduler = core.scheduler
-        if scheduler.structured_output_manager is None and input_processor is not None:
-            # Structured output needs only the tokenizer; xgrammar loads on first use.
-            from tokenbudget.core.structured.manager import StructuredOutputManager
-
-            scheduler.structured_output_manager = StructuredOutputManager(
-                input_processor.tokenizer, input_processor.vocab_size)
         # Engine request id (one per sample) -> its stream, while the engine runs it.
         self._streams: dict[str, RequestStream] = {}
         # The caller's request id -> its stream, while any of its samples runs.
@@ -122,14 +118,29 @@ class AsyncEngine:
         self._num_generated_tokens = 0
         self._death_callbacks: list[Callable[[BaseException], None]] = []
         self._recovery_callbacks: list[Callable[[], None]] = []
-        add_cb = getattr(core.executor, "add_failure_callback", None)
-        if add_cb is not None:
-            # A worker dying while the engine idles must still be noticed.
-            add_cb(self._on_executor_failure)
+        # A worker dying while the engine idles must still be noticed.
+        core.add_failure_callback(self._on_executor_failure)
         self._thread = threading.Thread(target=self._loop, name="tokenbudget-engine", daemon=True)
         self._thread.start()
 
     # -- caller side ---------------------------------------------------------------
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.core.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.core.cache_config
+
+    @property
+    def structured_output(self) -> StructuredOutputManager | None:
+        """The engine's grammar manager (None: structured output is off)."""
+        return self.core.structured_output
+
+    def subscribe_kv_events(self, max_pending: int) -> KVEventSubscription | None:
+        """``EngineCore.subscribe_kv_events`` (None: the events are off)."""
+        return self.core.subscribe_kv_events(max_pending)
+
     @property
     def healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
@@ -311,7 +322,7 @@ class AsyncEngine:
                 delay = min(delay * 2, 10.0)
                 continue
             # A smaller cache may have lowered max_model_len: new requests' limits follow.
-            self.max_model_len = self.core.scheduler.scheduler_config.max_model_len
+            self.max_model_len = self.core.scheduler_config.max_model_len
             if self.input_processor is not None:
                 self.input_processor.max_model_len = self.max_model_len
             with self._lock:
@@ -410,13 +421,13 @@ class AsyncEngine:
             stream.put(exc)
 
     def _make_stats(self) -> EngineStats:
-        s = self.core.scheduler.make_stats()
-        pool = self.core.scheduler.kv_cache_manager.block_pool
+        core = self.core
+        s = core.stats()
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_requests=len(self._groups), kv_cache_usage=s.kv_cache_usage,
-            num_free_blocks=pool.get_num_free_blocks(),
-            num_total_blocks=self.core.scheduler.cache_config.num_blocks - 1,
+            num_free_blocks=core.num_free_blocks(),
+            num_total_blocks=core.cache_config.num_blocks - 1,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, encoder_cache_usage=s.encoder_cache_usage,
             num_generated_tokens=self._num_generated_tokens, healthy=self.healthy,

@@ -11,55 +11,61 @@ next step starts, so the loop is synchronous while drafts keep coming and
 overlapped again once the proposer finds nothing (text that does not repeat).
 
 A structured request's bitmask for step N+1 depends on the token step N
-samples. Executors that set ``defers_grammar_bitmask`` accept a pending mask
+samples. Executors with ``defers_grammar_bitmask`` accept a pending mask
 (a Future their worker waits on right before sampling): the engine sends step
 N+1 at once and fills its mask after applying step N. Other executors get a
 concrete mask, so steps do not overlap while structured requests sample.
 
-An executor whose workers can come back (RemoteExecutor) has
-``reinitialize() -> num_blocks`` and fails steps with a ConnectionError while
-they are gone: the engine front then calls ``discard_requests`` and, until it
-succeeds, ``reinitialize``.
+An executor whose workers can come back (RemoteExecutor) ``can_reinitialize``
+and fails steps with a ConnectionError while they are gone: the engine front
+then calls ``discard_requests`` and, until it succeeds, ``reinitialize``.
+
+The executor reports the KV cache it allocated (a KVCacheSpec); the engine
+owns the configs sized from it (``scheduler_config``, ``cache_config``) and
+answers for its scheduler (``stats()``, ``num_free_blocks()``,
+``subscribe_kv_events``, ``structured_output``, ``reset_prefix_cache()``), so
+no front reaches into the scheduler.
 """
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from tokenbudget.core.kv.events import KVEventSubscription
+from tokenbudget.core.outputs import (KVCacheSpec, ModelRunnerOutput, RequestOutput,
+                                      SchedulerOutput)
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.sched.scheduler import Scheduler
+from tokenbudget.core.sched.stats import SchedulerStats
+from tokenbudget.core.structured.manager import StructuredOutputManager
+from tokenbudget.server.executor.base import Executor, as_executor
 
 logger = logging.getLogger(__name__)
 
 
-class Executor(Protocol):
-    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
-        """Load the model and allocate the KV cache; return the number of blocks."""
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]: ...
-
-    def shutdown(self) -> None: ...
-
-
 class EngineCore:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 executor: Executor, structured_output_manager=None, *,
+                 executor: Executor | Any,
+                 structured_output_manager: StructuredOutputManager | None = None, *,
                  max_model_len_given: bool = False) -> None:
-        """``max_model_len_given``: the user set max_model_len, so a KV cache
-        that cannot hold one such request is an error; otherwise max_model_len
-        is lowered to what the cache holds, with a warning."""
+        """``executor``: an Executor, or an object with its three methods
+        (``as_executor``). The configs are not written to: the engine's own,
+        sized by the executor's KVCacheSpec, are ``scheduler_config`` and
+        ``cache_config``. ``max_model_len_given``: the user set max_model_len,
+        so a KV cache that cannot hold one such request is an error; otherwise
+        max_model_len is lowered to what the cache holds, with a warning."""
         sized_by = _kv_size_setting(cache_config)
-        num_blocks = executor.initialize(cache_config, scheduler_config)
-        if cache_config.num_blocks is None or cache_config.num_blocks != num_blocks:
-            cache_config.num_blocks = num_blocks
+        executor = as_executor(executor)
+        spec = executor.initialize(cache_config, scheduler_config)
         try:
-            fit_max_model_len(scheduler_config, cache_config, sized_by, max_model_len_given)
+            cache_config = sized_cache_config(cache_config, spec)
+            scheduler_config = fit_max_model_len(scheduler_config, cache_config, sized_by,
+                                                 max_model_len_given)
         except ValueError:
             executor.shutdown()
             raise
@@ -68,12 +74,51 @@ class EngineCore:
         self._max_model_len = scheduler_config.max_model_len
         self.executor = executor
         self.async_scheduling = scheduler_config.async_scheduling
-        self._defer_masks = self.async_scheduling and \
-            getattr(executor, "defers_grammar_bitmask", False)
+        self._defer_masks = self.async_scheduling and executor.defers_grammar_bitmask
         self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager,
                                    defer_grammar_bitmask=self._defer_masks)
         # Steps sent to the executor whose outputs have not been applied.
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    # -- the front: what callers may ask of the engine's scheduler ------------------------
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings (max_model_len as the KV cache allows it)."""
+        return self.scheduler.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The KV cache's settings, ``num_blocks`` and ``num_offload_blocks``
+        as the workers allocated them."""
+        return self.scheduler.cache_config
+
+    @property
+    def structured_output(self) -> StructuredOutputManager | None:
+        """The grammar manager (None: structured output is off)."""
+        return self.scheduler.structured_output_manager
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def num_free_blocks(self) -> int:
+        """Device KV blocks free now (evictable cached blocks included)."""
+        return self.scheduler.kv_cache_manager.num_free_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (both KV tiers); refused (False) while a
+        request holds blocks or host slots."""
+        return self.scheduler.reset_prefix_cache()
+
+    def subscribe_kv_events(self, max_pending: int) -> KVEventSubscription | None:
+        """A subscription to the KV cache events (core/kv/events.py), a
+        snapshot first; None when the events are off. It outlives
+        ``discard_requests`` (its subscribers see every block cleared)."""
+        events = self.scheduler.kv_tiering.events
+        return None if events is None else events.subscribe(max_pending)
+
+    def add_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(exc)`` runs when a worker fails, even while the engine idles."""
+        self.executor.add_failure_callback(callback)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -149,7 +194,7 @@ class EngineCore:
     def _wait_for_grammars(self) -> None:
         # Nothing runs: rather than spin, sleep until a grammar compiles (briefly,
         # so callers still get to add and abort requests).
-        som = self.scheduler.structured_output_manager
+        som = self.structured_output
         if som is not None and som.has_pending():
             som.wait_for_compiles(0.02)
 
@@ -169,18 +214,20 @@ class EngineCore:
     def can_recover(self, exc: BaseException) -> bool:
         """Whether ``exc`` means the executor's workers went away or hung (they
         may come back) rather than a bug."""
-        return isinstance(exc, ConnectionError) and hasattr(self.executor, "reinitialize")
+        return isinstance(exc, ConnectionError) and self.executor.can_reinitialize
 
-    def discard_requests(self) -> None:
+    def discard_requests(self, scheduler_config: SchedulerConfig | None = None,
+                         cache_config: CacheConfig | None = None) -> None:
         """Forget every request and step in flight (their worker is gone): abort
         them all (their KV blocks and grammar matchers are released) and start
-        a fresh scheduler, so nothing of the old worker's state survives: its
-        cached prefixes went with its KV, and its finished-request ids mean
-        nothing to the next one."""
+        a fresh scheduler (with the configs given, else the same), so nothing
+        of the old worker's state survives: its cached prefixes went with its
+        KV, and its finished-request ids mean nothing to the next one."""
         self._drop_in_flight()
         old = self.scheduler
         old.finish_requests(list(old.requests), RequestStatus.FINISHED_ABORTED)
-        self.scheduler = Scheduler(old.scheduler_config, old.cache_config,
+        self.scheduler = Scheduler(scheduler_config or old.scheduler_config,
+                                   cache_config or old.cache_config,
                                    old.structured_output_manager,
                                    defer_grammar_bitmask=self._defer_masks)
         # KV event subscribers stay; they see every block cleared.
@@ -194,26 +241,26 @@ class EngineCore:
         holds, or restored up to its start-up value when the pool allows.
         Raises ConnectionError while a worker cannot be reached, or comes
         back with a cache too small for any request."""
-        num_blocks = self.executor.reinitialize()
-        cache_config = self.scheduler.cache_config
-        if num_blocks != cache_config.num_blocks:
-            scheduler_config = self.scheduler.scheduler_config
-            # Checked on copies: a refused pool leaves the old settings, so
-            # the next attempt compares against them again.
-            fitted = dataclasses.replace(scheduler_config, max_model_len=self._max_model_len)
+        spec = self.executor.reinitialize()
+        cache_config = self.cache_config
+        if (spec.num_blocks, spec.num_offload_blocks) != \
+                (cache_config.num_blocks, cache_config.num_offload_blocks or 0):
+            # A refused pool leaves the old settings, so the next attempt
+            # compares against them again.
+            restored = dataclasses.replace(self.scheduler_config,
+                                           max_model_len=self._max_model_len)
             try:
-                sized = dataclasses.replace(cache_config, num_blocks=num_blocks)
+                sized = sized_cache_config(cache_config, spec)
                 # Lowered even when max_model_len was given: refusing would
                 # stop serving every request, not just the longest ones.
-                fit_max_model_len(fitted, sized, "the reconnected workers' cache", given=False)
+                fitted = fit_max_model_len(restored, sized, "the reconnected workers' cache",
+                                           given=False)
             except ValueError as exc:  # not one token fits: wait for a better worker
                 raise ConnectionError(f"the workers came back with too small a KV cache: "
                                       f"{exc}") from None
-            logger.warning("the workers came back with %d KV blocks (had %d)", num_blocks,
+            logger.warning("the workers came back with %d KV blocks (had %d)", spec.num_blocks,
                            cache_config.num_blocks)
-            cache_config.num_blocks = num_blocks
-            scheduler_config.max_model_len = fitted.max_model_len
-            self.discard_requests()
+            self.discard_requests(fitted, sized)
 
     def _drop_in_flight(self) -> None:
         for so, fut in self._in_flight:
@@ -224,8 +271,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._drop_in_flight()
-        if self.scheduler.structured_output_manager is not None:
-            self.scheduler.structured_output_manager.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self.executor.shutdown()
 
 
@@ -239,17 +286,24 @@ def _kv_size_setting(cache_config: CacheConfig) -> str:
             "(--gpu-memory-utilization; on CPU the default cache size)")
 
 
+def sized_cache_config(cache_config: CacheConfig, spec: KVCacheSpec) -> CacheConfig:
+    """``cache_config`` with the pool sizes the workers allocated."""
+    return dataclasses.replace(cache_config, num_blocks=spec.num_blocks,
+                               num_offload_blocks=spec.num_offload_blocks)
+
+
 def fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                      sized_by: str, given: bool) -> None:
+                      sized_by: str, given: bool) -> SchedulerConfig:
     """A request may grow to max_model_len tokens (plus its draft lookahead),
     and must then still fit in the whole cache alone, or it could never
     finish (vLLM refuses such a cache at start-up too). Refuse when
-    max_model_len was ``given``; else lower it to what the cache holds."""
+    max_model_len was ``given``; else return ``scheduler_config`` with
+    max_model_len lowered to what the cache holds."""
     capacity = (cache_config.num_blocks - 1) * cache_config.block_size
     lookahead = scheduler_config.num_speculative_tokens
     need = scheduler_config.max_model_len + lookahead
     if need <= capacity:
-        return
+        return scheduler_config
     spec = f" + num_speculative_tokens={lookahead}" if lookahead else ""
     what = (f"{sized_by} gives {capacity} tokens of KV cache "
             f"({cache_config.num_blocks - 1} blocks of {cache_config.block_size}), less than "
@@ -257,6 +311,6 @@ def fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConf
     if given or capacity - lookahead < 1:
         raise ValueError(f"{what}; raise the KV cache (--num-gpu-blocks / --kv-cache-memory / "
                          "--gpu-memory-utilization) or lower max_model_len (--max-model-len)")
-    scheduler_config.max_model_len = capacity - lookahead
     logger.warning("%s: max_model_len lowered to %d (set --max-model-len to choose, or give "
-                   "the KV cache more room)", what, scheduler_config.max_model_len)
+                   "the KV cache more room)", what, capacity - lookahead)
+    return dataclasses.replace(scheduler_config, max_model_len=capacity - lookahead)

@@ -16,6 +16,7 @@ from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.structured.manager import StructuredOutputManager
 from tokenbudget.server.engine.args import EngineArgs
 from tokenbudget.server.engine.async_engine import AsyncEngine
+from tokenbudget.server.engine.compat import use_download_dir
 from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.server.engine.generation_defaults import (GenerationDefaults,
                                                            load_generation_defaults)
@@ -62,6 +63,7 @@ def build_engine_core(args: EngineArgs, placement: Placement | None = None, *,
     model = args.model
     if model is None:
         raise ValueError("EngineArgs.model is required to build an engine")
+    use_download_dir(args.download_dir)
     hf_config = load_config(model, revision=args.revision,
                             trust_remote_code=args.trust_remote_code)
     check_supported(hf_config, model)
@@ -84,8 +86,9 @@ def build_engine_core(args: EngineArgs, placement: Placement | None = None, *,
     structured = args.structured_output_manager(input_processor.tokenizer, vocab_size)
     core = EngineCore(scheduler_config, cache_config, make_executor(args, placement), structured,
                       max_model_len_given=args.max_model_len is not None)
-    logger.info("KV cache: %d blocks of %d tokens; async scheduling %s", cache_config.num_blocks,
-                cache_config.block_size, "on" if args.async_scheduling else "off")
+    logger.info("KV cache: %d blocks of %d tokens; async scheduling %s",
+                core.cache_config.num_blocks, core.cache_config.block_size,
+                "on" if args.async_scheduling else "off")
     return EngineParts(core, hf_config, input_processor, defaults, pooler_config, structured)
 
 

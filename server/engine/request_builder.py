@@ -6,11 +6,15 @@ the same way (vocabulary checks, bad words, truncation, EOS ids, ``n``).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.server.engine.input_processor import InputProcessor, Prompt
+
+if TYPE_CHECKING:
+    from tokenbudget.server.engine.async_engine import AsyncEngine
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -61,6 +65,25 @@ def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
     return [Request(sample_request_id(request_id, i, n), token_ids, p, eos_token_id=eos,
                     mm_features=features, **request_options)
             for i, p in enumerate(samples)]
+
+
+def make_requests(engine: AsyncEngine, request_id: str, prompt: Prompt,
+                  params: SamplingParams, **request_options) -> list[Request]:
+    """The Requests of one request to a served ``engine`` (every gRPC front
+    builds them here): a structured-output spec is parsed first, then
+    build_requests with ``request_options`` (Request keywords: priority,
+    cache_salt, tenant, ...). Raises ValueError naming the field."""
+    if params.structured is not None:
+        manager = engine.structured_output
+        if manager is None:
+            raise ValueError("sampling_params.structured: structured output is not enabled "
+                             "on this server")
+        try:  # parsing only (milliseconds); the compile runs off the engine loop
+            manager.validate(params.structured)
+        except ValueError as exc:
+            raise ValueError(f"sampling_params.{exc}") from None
+    return build_requests(engine.input_processor, request_id, prompt, params,
+                          eos_token_ids=engine.eos_token_ids, **request_options)
 
 
 def build_pooling_request(processor: InputProcessor, request_id: str, prompt: Prompt,

@@ -5,6 +5,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
@@ -110,8 +111,6 @@ class LLM:
         parts = build_engine_core(args)
         self.engine = parts.core
         self.executor = parts.core.executor
-        self.scheduler_config = parts.core.scheduler.scheduler_config
-        self.cache_config = parts.core.scheduler.cache_config
         self.input_processor = parts.input_processor
         self.generation_defaults = parts.generation_defaults
         self.eos_token_ids = parts.generation_defaults.eos_token_ids
@@ -123,10 +122,19 @@ class LLM:
         """A KVEventSubscription (core/kv/events.py) of this engine's KV cache
         events; ``get(timeout)`` returns batches, a snapshot first. Needs
         ``enable_kv_cache_events=True``."""
-        events = self.engine.scheduler.kv_tiering.events
-        if events is None:
+        sub = self.engine.subscribe_kv_events(max_pending)
+        if sub is None:
             raise ValueError("KV cache events are off: pass enable_kv_cache_events=True")
-        return events.subscribe(max_pending)
+        return sub
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.engine.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The KV cache's settings, sized as the worker allocated it."""
+        return self.engine.cache_config
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without ``sampling_params``: the model's

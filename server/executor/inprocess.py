@@ -1,14 +1,15 @@
-"""InProcessExecutor: the core Executor protocol over a Worker in this process."""
+"""InProcessExecutor: the Executor over a Worker in this process."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenbudget.server.executor.base import Executor
 from tokenbudget.worker.worker import Worker
 
 
-class InProcessExecutor:
+class InProcessExecutor(Executor):
     """Sync: ``execute_model`` runs the step and returns a completed future.
     ``async_mode``: steps go, in order, to one worker thread so the engine can
     schedule step N+1 while step N runs (torch releases the GIL in its kernels)."""
@@ -23,7 +24,8 @@ class InProcessExecutor:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenbudget-worker") \
             if async_mode else None
 
-    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+    def initialize(self, cache_config: CacheConfig,
+                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
         return self.worker.initialize(cache_config, scheduler_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:

@@ -1,4 +1,4 @@
-"""RemoteExecutor: the core Executor protocol over gRPC workers.
+"""RemoteExecutor: the Executor over gRPC workers.
 
 Each worker gets one long-lived ExecuteModel stream. ``execute_model`` sends
 the step and returns a Future at once, so the engine can schedule step N+1
@@ -30,8 +30,9 @@ from concurrent.futures import Future
 import grpc
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenbudget.proto import convert, step_stream, worker_pb2, worker_pb2_grpc
+from tokenbudget.server.executor.base import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class _Connection:
             yield msg
 
 
-class RemoteExecutor:
+class RemoteExecutor(Executor):
     # The server flag that sets ``connect_timeout``, named when it runs out.
     connect_timeout_flag = "--worker-connect-timeout"
 
@@ -110,7 +111,6 @@ class RemoteExecutor:
             model=model, dtype=dtype, device=device, attention_backend=attention_backend)
         self._connect_timeout = connect_timeout
         self._step_timeout = step_timeout
-        self.num_offload_blocks = 0  # host KV tier slots the workers allocated
         self._lock = threading.Lock()
         self._step_id = 0
         self._encoder = step_stream.SchedulerOutputEncoder()
@@ -125,34 +125,38 @@ class RemoteExecutor:
     def add_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._failure_callbacks.append(callback)
 
-    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+    def initialize(self, cache_config: CacheConfig,
+                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
         # Kept as sent: reinitialize asks the workers for the same configuration.
         convert.configs_to_proto(cache_config, scheduler_config, self._init)
         flag = self.connect_timeout_flag
-        num_blocks = self._connect(self._connect_timeout, f"{flag}={self._connect_timeout:g} s"
-                                   if flag else f"{self._connect_timeout:g} s")
-        if self.num_offload_blocks:
-            cache_config.num_offload_blocks = self.num_offload_blocks  # the scheduler's host slots
+        spec = self._connect(self._connect_timeout, f"{flag}={self._connect_timeout:g} s"
+                             if flag else f"{self._connect_timeout:g} s")
         if self._step_timeout:
             threading.Thread(target=self._watch, daemon=True,
                              name="tokenbudget-remote-watchdog").start()
-        return num_blocks
+        return spec
 
-    def reinitialize(self, connect_timeout: float = 10.0) -> int:
+    @property
+    def can_reinitialize(self) -> bool:
+        return True
+
+    def reinitialize(self, connect_timeout: float = 10.0) -> KVCacheSpec:
         """After a failure: drop the old connections, reconnect to every worker
         (a worker has ``connect_timeout`` seconds to accept the connection, then
         as long as initialize allows to load the model), initialize it with the
-        same configuration and open new streams; returns the KV blocks the
+        same configuration and open new streams; returns the KV cache the
         workers now have. Raises WorkerUnavailableError if one cannot be
         reached; the caller retries with backoff."""
         self._close_connections()
-        num_blocks = self._connect(connect_timeout, f"{connect_timeout:g} s")
+        spec = self._connect(connect_timeout, f"{connect_timeout:g} s")
         with self._lock:
             self._error = None
-        logger.info("workers %s are back (%d KV blocks)", ", ".join(self._addresses), num_blocks)
-        return num_blocks
+        logger.info("workers %s are back (%d KV blocks)", ", ".join(self._addresses),
+                    spec.num_blocks)
+        return spec
 
-    def _connect(self, connect_timeout: float, timeout_setting: str) -> int:
+    def _connect(self, connect_timeout: float, timeout_setting: str) -> KVCacheSpec:
         """``timeout_setting``: ``connect_timeout`` as the user can change it,
         for the error when a worker does not accept the connection in time."""
         conns = [_Connection(a, i, self._options) for i, a in enumerate(self._addresses)]
@@ -192,9 +196,8 @@ class RemoteExecutor:
             conn.reader = threading.Thread(target=self._read, args=(conn, stream), daemon=True,
                                            name=f"tokenbudget-remote-{conn.rank}")
             conn.reader.start()
-        # Host KV tier slots, as the workers sized them (0: none).
-        self.num_offload_blocks = min(num_offload)
-        return min(num_blocks)
+        # The smallest cache any worker has; host KV tier slots likewise (0: none).
+        return KVCacheSpec(min(num_blocks), min(num_offload))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         step = _Step(len(self._conns), list(scheduler_output.num_scheduled_tokens))

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from tokenbudget.core.outputs import KVCacheSpec
 from tokenbudget.server.executor.remote import RemoteExecutor, WorkerUnavailableError
 
 _READY = "tokenbudget worker listening on "
@@ -86,7 +87,7 @@ class LocalRanks:
 
 
 class TensorParallelExecutor(RemoteExecutor):
-    """The Executor protocol over a local tensor-parallel group."""
+    """The Executor over a local tensor-parallel group."""
 
     connect_timeout_flag = ""  # ranks this process starts: no flag sets the wait
 
@@ -114,14 +115,14 @@ class TensorParallelExecutor(RemoteExecutor):
         super().__init__([self.ranks.address], model, dtype=dtype, device=device,
                          attention_backend=attention_backend, step_timeout=step_timeout)
 
-    def initialize(self, cache_config, scheduler_config) -> int:
+    def initialize(self, cache_config, scheduler_config) -> KVCacheSpec:
         try:
             return super().initialize(cache_config, scheduler_config)
         except BaseException:
             self.shutdown()
             raise
 
-    def reinitialize(self, connect_timeout: float = 2.0) -> int:
+    def reinitialize(self, connect_timeout: float = 2.0) -> KVCacheSpec:
         """After a failure (the engine retries with backoff): a broken group
         cannot be mended, so stop what is left of it, start a fresh one and
         initialise it with the same configuration."""

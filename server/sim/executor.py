@@ -1,4 +1,4 @@
-"""SimulatedExecutor: the core Executor protocol with a cost model instead of a model.
+"""SimulatedExecutor: an Executor with a cost model instead of a model.
 
 Each ``execute_model`` advances a simulated clock by the step's predicted
 time and answers like a worker: one sampled token for every request whose
@@ -17,7 +17,8 @@ import sys
 from concurrent.futures import Future
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenbudget.server.executor.base import Executor
 from tokenbudget.server.sim.cost_model import CostModel
 
 
@@ -51,7 +52,7 @@ class _ReqState:
         self.eos_at = eos_at
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(Executor):
     def __init__(self, cost_model: CostModel, clock: SimClock, *, vocab_size: int,
                  eos_token_id: int | None = None, gpu_memory_utilization: float = 0.9) -> None:
         self.cost_model = cost_model
@@ -66,16 +67,19 @@ class SimulatedExecutor:
         self.num_steps = 0
         self.busy_s = 0.0
 
-    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+    def initialize(self, cache_config: CacheConfig,
+                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+        # A host tier only as asked for in blocks (no host memory is modelled).
+        host = cache_config.num_offload_blocks or 0
         if cache_config.num_blocks is not None:
-            return cache_config.num_blocks
+            return KVCacheSpec(cache_config.num_blocks, host)
         model = self.cost_model.model
         free = self.cost_model.hardware.memory_bytes * self.gpu_memory_utilization - \
             model.num_params * model.dtype_bytes
         blocks = int(free // (model.kv_bytes_per_token * cache_config.block_size))
         if blocks < 2:
             raise ValueError(f"{model.name} does not fit on {self.cost_model.hardware.name}")
-        return blocks
+        return KVCacheSpec(blocks, host)
 
     def execute_model(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
         # The hot loop of a simulation: one pass over the scheduled requests,

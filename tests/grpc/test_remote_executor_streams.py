@@ -83,7 +83,7 @@ def make_worker():
 def _connect(address: str, **options) -> RemoteExecutor:
     executor = RemoteExecutor([address], "scripted", connect_timeout=10, **options)
     assert executor.initialize(CacheConfig(block_size=4, num_blocks=8),
-                               SchedulerConfig(max_model_len=32)) == 7
+                               SchedulerConfig(max_model_len=32)).num_blocks == 7
     return executor
 
 
@@ -222,7 +222,7 @@ def test_a_step_left_unanswered_past_step_timeout_fails_and_reinitialize_recover
         # The worker answers again: a new connection, Initialize, a new stream
         # whose steps are numbered from 1 again.
         worker.release.set()
-        assert executor.reinitialize() == 7 and worker.initialized == 2
+        assert executor.reinitialize().num_blocks == 7 and worker.initialized == 2
         assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == \
             [[10], [11]]
         time.sleep(1.0)  # the old stream ending late must not fail the new one
@@ -242,7 +242,7 @@ def test_reinitialize_finds_a_restarted_worker_and_reports_its_kv_size(make_work
         with pytest.raises(WorkerUnavailableError, match="initialize failed"):
             executor.reinitialize(connect_timeout=0.5)  # nobody listens yet
         make_worker(ScriptedWorker(num_blocks=5), port=int(address.rsplit(":", 1)[1]))
-        assert executor.reinitialize() == 5
+        assert executor.reinitialize().num_blocks == 5
         assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == \
             [[10], [11]]
     finally:

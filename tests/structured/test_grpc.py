@@ -23,15 +23,18 @@ SCHEMA = {"type": "object",
 
 @pytest.fixture(scope="module")
 def served(tiny_model, serving):
+    from tokenbudget.core.structured.manager import StructuredOutputManager
     from tokenbudget.server.engine.input_processor import InputProcessor
     from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
     executor = InProcessExecutor(Worker(tiny_model), async_mode=True)
+    processor = InputProcessor.from_pretrained(tiny_model)
+    # The manager goes to the EngineCore, as the engine factory gives it.
     core = EngineCore(SchedulerConfig(max_model_len=1024, async_scheduling=True),
-                      CacheConfig(num_blocks=256), executor)
-    # No manager given: the service front enables structured output itself.
-    engine = AsyncEngine(core, InputProcessor.from_pretrained(tiny_model), model_name="tiny")
+                      CacheConfig(num_blocks=256), executor,
+                      StructuredOutputManager(processor.tokenizer, processor.vocab_size))
+    engine = AsyncEngine(core, processor, model_name="tiny")
     with serving(engine) as client:
         yield client, engine
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenbudget.worker.parallel.group import GroupBrokenError, TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class DriverWorker:
         init = RankInit(model, dtype, device, attention_backend, seed=random.getrandbits(63))
         self.worker = self._collective("init", init, lambda: build_rank_worker(group, init))
 
-    def initialize(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+    def initialize(self, cache_config: CacheConfig,
+                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
         return self._collective("kv", (cache_config, scheduler_config),
                                 lambda: self.worker.initialize(cache_config, scheduler_config))
 

@@ -26,7 +26,7 @@ from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenbudget.server.engine.streams import Chunk, RequestStream
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
 from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
-from tokenbudget.server.engine.request_builder import build_pooling_request, build_requests
+from tokenbudget.server.engine.request_builder import build_pooling_request, make_requests
 
 logger = logging.getLogger(__name__)
 
@@ -214,22 +214,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if request.max_pending < 0:
             return None, (grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_pending must be >= 0, got {request.max_pending}")
-        events = self.engine.core.scheduler.kv_tiering.events
-        if events is None:
+        sub = self.engine.subscribe_kv_events(request.max_pending or _KV_EVENTS_MAX_PENDING)
+        if sub is None:
             return None, (grpc.StatusCode.FAILED_PRECONDITION, "KV cache events are off: "
                           "start the server with --enable-kv-cache-events")
-        return events.subscribe(request.max_pending or _KV_EVENTS_MAX_PENDING), None
+        return sub, None
 
     def _model_info(self) -> generate_pb2.ModelInfo:
         e = self.engine
-        sched = e.core.scheduler
+        sched, cache = e.scheduler_config, e.cache_config
         return generate_pb2.ModelInfo(
             model=e.served_model_name, vocab_size=e.input_processor.vocab_size,
-            max_model_len=sched.scheduler_config.max_model_len,
-            block_size=sched.cache_config.block_size, num_blocks=sched.cache_config.num_blocks,
-            is_vision_language=e.is_vision_language, is_demo=e.is_demo,
-            eos_token_ids=e.eos_token_ids, async_scheduling=e.core.async_scheduling,
-            policy=sched.scheduler_config.policy, num_workers=e.num_remote_workers)
+            max_model_len=sched.max_model_len, block_size=cache.block_size,
+            num_blocks=cache.num_blocks, is_vision_language=e.is_vision_language,
+            is_demo=e.is_demo, eos_token_ids=e.eos_token_ids,
+            async_scheduling=sched.async_scheduling, policy=sched.policy,
+            num_workers=e.num_remote_workers)
 
 
 class AioGenerationServicer(GenerationServicer):
@@ -323,25 +323,6 @@ _KV_EVENTS_MAX_PENDING = 1024
 
 # GenerateRequest's optional fields that are Request keywords of the same name.
 _OPTIONAL_REQUEST_FIELDS = ("cache_salt", "tenant", "ttft_ms", "tpot_ms")
-
-
-def make_requests(engine: AsyncEngine, request_id: str, prompt: dict, params: SamplingParams,
-                  **request_options) -> list[Request]:
-    """The engine Requests of one gRPC request (every gRPC front builds them
-    here): a structured-output spec is parsed first, then build_requests with
-    ``request_options`` (Request keywords: priority, cache_salt, tenant, ...).
-    Raises ValueError naming the field."""
-    if params.structured is not None:
-        manager = engine.core.scheduler.structured_output_manager
-        if manager is None:
-            raise ValueError("sampling_params.structured: structured output is not enabled "
-                             "on this server")
-        try:  # parsing only (milliseconds); the compile runs off the engine loop
-            manager.validate(params.structured)
-        except ValueError as exc:
-            raise ValueError(f"sampling_params.{exc}") from None
-    return build_requests(engine.input_processor, request_id, prompt, params,
-                          eos_token_ids=engine.eos_token_ids, **request_options)
 
 
 def _aborted(request_id: str) -> str:
