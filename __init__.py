@@ -4,6 +4,7 @@
 
 The names load on first use, so ``import tokenbudget.core`` stays free of
 torch and of the server."""
+
 from __future__ import annotations
 
 import importlib

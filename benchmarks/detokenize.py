@@ -13,6 +13,7 @@ microseconds per token (median of ``--repeat`` runs) for
 
     python benchmarks/detokenize.py [--tokens 20000 --vocab-size 150000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,26 @@ class _NoBackend:
 def _token_stream(tokenizer, n: int) -> list[int]:
     """Natural text (random words, punctuation, some multi-byte characters) tokenized."""
     rng = random.Random(0)
-    words = ["the", "scheduler", "token", "budget", "café", "東京", "🙂", "naïve", "KV", "cache",
-             "prefix", "hit", "block", "42", "3.14", "—", "\"quoted\"", "new\nline"]
+    words = [
+        "the",
+        "scheduler",
+        "token",
+        "budget",
+        "café",
+        "東京",
+        "🙂",
+        "naïve",
+        "KV",
+        "cache",
+        "prefix",
+        "hit",
+        "block",
+        "42",
+        "3.14",
+        "—",
+        '"quoted"',
+        "new\nline",
+    ]
     ids: list[int] = []
     while len(ids) < n:
         text = " ".join(rng.choice(words) for _ in range(200))
@@ -74,7 +93,7 @@ def _identical(tokenizer, slow, streams: int = 300) -> bool:
                 pos, out = 0, []
                 while pos < len(ids):
                     n = rng.choice((1, 1, 2, 5))
-                    out.append(d.add(ids[pos:pos + n]))
+                    out.append(d.add(ids[pos : pos + n]))
                     pos += n
                 texts.append("".join(out) + d.flush())
             if texts[0] != texts[1] or texts[0] != tokenizer.decode(ids, skip_special_tokens=skip):
@@ -95,6 +114,7 @@ def measure(tokenizer, name: str, num_tokens: int, repeat: int) -> dict:
             for t in ids:
                 d.add([t])
             d.flush()
+
         return run
 
     def sample(params):
@@ -102,17 +122,24 @@ def measure(tokenizer, name: str, num_tokens: int, repeat: int) -> dict:
             state = SampleState(0, params, IncrementalDetokenizer(tokenizer))
             for t in ids:
                 state.update([RequestOutput("r", [t])])
+
         return run
 
     slow = _NoBackend(tokenizer)
-    result = {"vocab": name, "vocab_size": len(tokenizer), "tokens": len(ids),
-              "identical_on_random_fragments": _identical(tokenizer, slow)}
+    result = {
+        "vocab": name,
+        "vocab_size": len(tokenizer),
+        "tokens": len(ids),
+        "identical_on_random_fragments": _identical(tokenizer, slow),
+    }
     result["window_us"] = _per_token_us(detok(lambda: IncrementalDetokenizer(slow)), ids, repeat)
     result["decode_stream_us"] = _per_token_us(
-        detok(lambda: IncrementalDetokenizer(tokenizer)), ids, repeat)
+        detok(lambda: IncrementalDetokenizer(tokenizer)), ids, repeat
+    )
     result["sample_us"] = _per_token_us(sample(SamplingParams(max_tokens=10**6)), ids, repeat)
     result["sample_stop_us"] = _per_token_us(
-        sample(SamplingParams(max_tokens=10**6, stop=["\n\nUser:", "</answer>"])), ids, repeat)
+        sample(SamplingParams(max_tokens=10**6, stop=["\n\nUser:", "</answer>"])), ids, repeat
+    )
     return result
 
 
@@ -120,8 +147,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--vocab-size", type=int, default=150_000,
-                   help="also measure a byte-level BPE of this size (0: skip)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=150_000,
+        help="also measure a byte-level BPE of this size (0: skip)",
+    )
     p.add_argument("--tokenizer-dir", default=str(Path(tempfile.gettempdir()) / "tb-bench"))
     args = p.parse_args()
     from tokenbudget.server.testing.tiny_models import build_tokenizer
@@ -133,8 +164,9 @@ def main() -> None:
         from structured_output import big_tokenizer
 
         big = big_tokenizer(Path(args.tokenizer_dir), args.vocab_size)
-        print(json.dumps(measure(big, f"bpe{args.vocab_size}", args.tokens, args.repeat)),
-              flush=True)
+        print(
+            json.dumps(measure(big, f"bpe{args.vocab_size}", args.tokens, args.repeat)), flush=True
+        )
 
 
 if __name__ == "__main__":

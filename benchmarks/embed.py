@@ -8,6 +8,7 @@ the same seeded prompts, pooled the same way (last token, L2-normalised).
 Prints one JSON object: prompt tokens/s for both, their ratio, and the
 largest difference between the two sets of vectors (a correctness check).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ import torch
 def make_prompts(num_prompts: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     # Skip the first ids: special tokens in the tiny tokenizer.
-    return [rng.integers(16, vocab, size=n).tolist()
-            for n in rng.integers(lo, hi + 1, size=num_prompts)]
+    return [
+        rng.integers(16, vocab, size=n).tolist() for n in rng.integers(lo, hi + 1, size=num_prompts)
+    ]
 
 
 def sync(device: str) -> None:
@@ -35,10 +37,15 @@ def run_ours(args, prompts) -> tuple[float, torch.Tensor]:
     from tokenbudget.core import PoolingParams
     from tokenbudget.server import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, num_gpu_blocks=args.num_gpu_blocks,
-              enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks=args.num_gpu_blocks,
+        enable_prefix_caching=False,
+    )
     params = PoolingParams("LAST", True)
     llm.embed([{"prompt_token_ids": p} for p in prompts[:4]], params)  # warm up
     sync(args.device)
@@ -54,8 +61,12 @@ def run_ours(args, prompts) -> tuple[float, torch.Tensor]:
 def run_transformers(args, prompts) -> tuple[float, torch.Tensor]:
     from transformers import AutoModel
 
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
+    dtype = {
+        "auto": None,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[args.dtype]
     model = AutoModel.from_pretrained(args.model, dtype=dtype or "auto").to(args.device).eval()
 
     def embed(batch: list[list[int]]) -> torch.Tensor:
@@ -63,10 +74,11 @@ def run_transformers(args, prompts) -> tuple[float, torch.Tensor]:
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for i, p in enumerate(batch):  # right padding: causal attention never sees it
-            ids[i, :len(p)] = torch.tensor(p)
-            mask[i, :len(p)] = 1
-        hidden = model(input_ids=ids.to(args.device),
-                       attention_mask=mask.to(args.device)).last_hidden_state
+            ids[i, : len(p)] = torch.tensor(p)
+            mask[i, : len(p)] = 1
+        hidden = model(
+            input_ids=ids.to(args.device), attention_mask=mask.to(args.device)
+        ).last_hidden_state
         last = torch.tensor([len(p) - 1 for p in batch], device=args.device)
         vec = hidden[torch.arange(len(batch), device=args.device), last].float()
         return torch.nn.functional.normalize(vec, dim=-1).cpu()
@@ -74,18 +86,18 @@ def run_transformers(args, prompts) -> tuple[float, torch.Tensor]:
     embed(prompts[:4])  # warm up
     sync(args.device)
     t = time.perf_counter()
-    vectors = [embed(prompts[i:i + args.hf_batch]) for i in range(0, len(prompts), args.hf_batch)]
+    vectors = [embed(prompts[i : i + args.hf_batch]) for i in range(0, len(prompts), args.hf_batch)]
     sync(args.device)
     return time.perf_counter() - t, torch.cat(vectors)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="default: the tiny Qwen3 built locally")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16",
-                                                          "float16"])
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -107,14 +119,21 @@ def main() -> None:
     num_tokens = sum(len(q) for q in prompts)
     ours_s, ours = run_ours(args, prompts)
     hf_s, theirs = run_transformers(args, prompts)
-    print(json.dumps({
-        "model": args.model, "device": args.device, "dtype": args.dtype,
-        "num_prompts": len(prompts), "prompt_tokens": num_tokens,
-        "ours_tokens_per_s": round(num_tokens / ours_s, 1),
-        "transformers_tokens_per_s": round(num_tokens / hf_s, 1),
-        "ratio": round(hf_s / ours_s, 3),
-        "max_abs_diff": float((ours - theirs).abs().max()),
-    }))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "device": args.device,
+                "dtype": args.dtype,
+                "num_prompts": len(prompts),
+                "prompt_tokens": num_tokens,
+                "ours_tokens_per_s": round(num_tokens / ours_s, 1),
+                "transformers_tokens_per_s": round(num_tokens / hf_s, 1),
+                "ratio": round(hf_s / ours_s, 3),
+                "max_abs_diff": float((ours - theirs).abs().max()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

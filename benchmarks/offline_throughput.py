@@ -7,6 +7,7 @@ static batches of the same size, on the same seeded workload.
 Prints one JSON object: output tokens/s for both, their ratio, and where our
 step time goes (schedule / prep / forward / sample / output).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,16 @@ def run_ours(args, prompts, out_lens) -> dict:
     from tokenbudget.core.sched.scheduler import Scheduler
     from tokenbudget.server import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              num_gpu_blocks=args.num_gpu_blocks, attention_backend=args.attention_backend,
-              async_scheduling=args.async_scheduling)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks=args.num_gpu_blocks,
+        attention_backend=args.attention_backend,
+        async_scheduling=args.async_scheduling,
+    )
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     # Warm up (allocator, kernels), then measure.
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4])
@@ -77,9 +84,13 @@ def run_ours(args, prompts, out_lens) -> dict:
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
     assert num_out == sum(out_lens), (num_out, sum(out_lens))
-    phases = {"schedule": engine_totals["schedule"], "prep": runner.timings["prep"],
-              "forward": runner.timings["forward"], "sample": runner.timings["sample"],
-              "output": runner.timings["output"] + engine_totals["update"]}
+    phases = {
+        "schedule": engine_totals["schedule"],
+        "prep": runner.timings["prep"],
+        "forward": runner.timings["forward"],
+        "sample": runner.timings["sample"],
+        "output": runner.timings["output"] + engine_totals["update"],
+    }
     total = sum(phases.values())
     llm.shutdown()
     return {
@@ -88,18 +99,23 @@ def run_ours(args, prompts, out_lens) -> dict:
         "total_tokens_per_s": round((num_out + sum(map(len, prompts))) / elapsed, 1),
         "step_time_split": {k: round(v / total, 3) for k, v in phases.items()},
         "step_seconds": {k: round(v, 3) for k, v in phases.items()},
-        "overhead_fraction": round((phases["schedule"] + phases["prep"] + phases["output"])
-                                   / total, 3),
+        "overhead_fraction": round(
+            (phases["schedule"] + phases["prep"] + phases["output"]) / total, 3
+        ),
     }
 
 
 def run_hf(args, prompts, out_lens, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.hf_dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
-                                                 attn_implementation="sdpa").to(args.device).eval()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.hf_dtype
+    ]
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+        .to(args.device)
+        .eval()
+    )
     pad = AutoTokenizer.from_pretrained(args.model).pad_token_id or 0
 
     def batch_generate(batch):
@@ -107,13 +123,19 @@ def run_hf(args, prompts, out_lens, batch_size: int) -> dict:
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, i in enumerate(batch):  # left padding, as generate() expects
-            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]):] = 1
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
         # Static batching: the batch runs until its longest request is done.
         n = max(out_lens[i] for i in batch)
         with torch.no_grad():
-            model.generate(ids.to(args.device), attention_mask=mask.to(args.device),
-                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+            model.generate(
+                ids.to(args.device),
+                attention_mask=mask.to(args.device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+            )
 
     batch_generate(list(range(min(4, len(prompts)))))  # warm-up
     if args.device == "cuda":
@@ -125,8 +147,7 @@ def run_hf(args, prompts, out_lens, batch_size: int) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     # Only the tokens each request asked for count as useful output.
-    return {"seconds": round(elapsed, 3),
-            "output_tokens_per_s": round(sum(out_lens) / elapsed, 1)}
+    return {"seconds": round(elapsed, 3), "output_tokens_per_s": round(sum(out_lens) / elapsed, 1)}
 
 
 def main() -> None:
@@ -144,8 +165,12 @@ def main() -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--async-scheduling", action="store_true")
-    p.add_argument("--hf-batch-size", type=int, default=None,
-                   help="static batch size for transformers; default: --max-num-seqs")
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="static batch size for transformers; default: --max-num-seqs",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--skip-hf", action="store_true")
     args = p.parse_args()
@@ -161,17 +186,26 @@ def main() -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
-    prompts, out_lens = make_workload(args.num_prompts, min(vocab, 32000), args.seed,
-                                      args.input_len, args.output_len)
-    report = {"model": args.model if tmp is None else "tiny-qwen3 (random init)",
-              "device": args.device, "num_prompts": args.num_prompts,
-              "input_tokens": sum(map(len, prompts)), "output_tokens": sum(out_lens),
-              "tokenbudget": run_ours(args, prompts, out_lens)}
+    prompts, out_lens = make_workload(
+        args.num_prompts, min(vocab, 32000), args.seed, args.input_len, args.output_len
+    )
+    report = {
+        "model": args.model if tmp is None else "tiny-qwen3 (random init)",
+        "device": args.device,
+        "num_prompts": args.num_prompts,
+        "input_tokens": sum(map(len, prompts)),
+        "output_tokens": sum(out_lens),
+        "tokenbudget": run_ours(args, prompts, out_lens),
+    }
     if not args.skip_hf:
-        report["transformers"] = run_hf(args, prompts, out_lens,
-                                        args.hf_batch_size or args.max_num_seqs)
-        report["speedup"] = round(report["tokenbudget"]["output_tokens_per_s"]
-                                  / report["transformers"]["output_tokens_per_s"], 2)
+        report["transformers"] = run_hf(
+            args, prompts, out_lens, args.hf_batch_size or args.max_num_seqs
+        )
+        report["speedup"] = round(
+            report["tokenbudget"]["output_tokens_per_s"]
+            / report["transformers"]["output_tokens_per_s"],
+            2,
+        )
     print(json.dumps(report, indent=2))
     if tmp is not None:
         tmp.cleanup()

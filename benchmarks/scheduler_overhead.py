@@ -12,6 +12,7 @@ Prints one JSON line per (engine, workload).
 ``--engine vllm`` drives vLLM's V1 Scheduler the same way (run it with a
 Python that has vllm installed; this script does not import tokenbudget then).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,14 @@ class Workload:
         return f"{self.name}-{len(self.prompts)}"
 
 
-def make_workloads(names: list[str], decode_sizes: list[int], seed: int = 0,
-                   prefixes: int = 8, prefill_seqs: int = 256,
-                   prefill_blocks: int | None = None) -> list[Workload]:
+def make_workloads(
+    names: list[str],
+    decode_sizes: list[int],
+    seed: int = 0,
+    prefixes: int = 8,
+    prefill_seqs: int = 256,
+    prefill_blocks: int | None = None,
+) -> list[Workload]:
     rng = random.Random(seed)
     vocab = 32000
 
@@ -91,8 +97,9 @@ class FakeModelDriver:
         return self.make_output(ids, {r: i for i, r in enumerate(ids)}, sampled)
 
     def all_decoding(self, so) -> bool:
-        return not so.scheduled_new_reqs and len(so.num_scheduled_tokens) == \
-            so.total_num_scheduled_tokens == len(self.sched.running)
+        return not so.scheduled_new_reqs and len(
+            so.num_scheduled_tokens
+        ) == so.total_num_scheduled_tokens == len(self.sched.running)
 
     def done(self) -> bool:
         return not self.sched.has_unfinished_requests()
@@ -102,14 +109,25 @@ class TokenbudgetEngine(FakeModelDriver):
     name = "tokenbudget"
 
     def __init__(self, w: Workload, policy: str = "fcfs") -> None:
-        from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
-                                      Scheduler, SchedulerConfig)
+        from tokenbudget.core import (
+            CacheConfig,
+            ModelRunnerOutput,
+            Request,
+            SamplingParams,
+            Scheduler,
+            SchedulerConfig,
+        )
+
         self.make_output = ModelRunnerOutput
         self.sched = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=w.max_num_seqs,
-                            max_model_len=2048, policy=policy),
-            CacheConfig(block_size=BLOCK_SIZE, num_blocks=w.num_blocks,
-                        enable_prefix_caching=True))
+            SchedulerConfig(
+                max_num_batched_tokens=BUDGET,
+                max_num_seqs=w.max_num_seqs,
+                max_model_len=2048,
+                policy=policy,
+            ),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=w.num_blocks, enable_prefix_caching=True),
+        )
         params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
         for i, p in enumerate(w.prompts):
             self.sched.add_request(Request(str(i), p, params))
@@ -119,8 +137,10 @@ class TokenbudgetEngine(FakeModelDriver):
 
     def stats(self) -> dict:
         s = self.sched.make_stats()
-        return {"prefix_hit_rate": round(s.prefix_cache_hit_rate, 4),
-                "preemptions": s.num_preemptions}
+        return {
+            "prefix_hit_rate": round(s.prefix_cache_hit_rate, 4),
+            "preemptions": s.num_preemptions,
+        }
 
 
 def run(engine_cls, w: Workload, **kw) -> dict:
@@ -144,30 +164,51 @@ def run(engine_cls, w: Workload, **kw) -> dict:
             upd_t.append(t3 - t2)
     total = [a + b for a, b in zip(sched_t, upd_t)]
     us = lambda xs: round(statistics.median(xs) * 1e6, 1) if xs else None  # noqa: E731
-    return {"engine": eng.name, "workload": w.name, "num_requests": len(w.prompts),
-            "steps": steps, "measured_steps": len(total), "schedule_us": us(sched_t),
-            "update_us": us(upd_t), "total_us": us(total), **eng.stats()}
+    return {
+        "engine": eng.name,
+        "workload": w.name,
+        "num_requests": len(w.prompts),
+        "steps": steps,
+        "measured_steps": len(total),
+        "schedule_us": us(sched_t),
+        "update_us": us(upd_t),
+        "total_us": us(total),
+        **eng.stats(),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--engine", choices=["tokenbudget", "vllm", "both"], default="tokenbudget")
     ap.add_argument("--workloads", default="decode,prefill,pressure")
     ap.add_argument("--decode-sizes", default="64,256,1024")
     ap.add_argument("--policy", default="fcfs", help="tokenbudget waiting-queue policy")
-    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", sys.executable),
-                    help="a Python with vllm installed, for --engine both")
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_PYTHON", sys.executable),
+        help="a Python with vllm installed, for --engine both",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs per workload (median kept)")
     ap.add_argument("--prefixes", type=int, default=8, help="prefill: shared prefixes")
     ap.add_argument("--prefill-seqs", type=int, default=256, help="prefill: max_num_seqs")
-    ap.add_argument("--prefill-blocks", type=int, default=None,
-                    help="prefill: KV blocks (default: room for every running request)")
+    ap.add_argument(
+        "--prefill-blocks",
+        type=int,
+        default=None,
+        help="prefill: KV blocks (default: room for every running request)",
+    )
     args = ap.parse_args()
     names = args.workloads.split(",")
     sizes = [int(x) for x in args.decode_sizes.split(",")]
-    workloads = make_workloads(names, sizes, prefixes=args.prefixes,
-                               prefill_seqs=args.prefill_seqs, prefill_blocks=args.prefill_blocks)
+    workloads = make_workloads(
+        names,
+        sizes,
+        prefixes=args.prefixes,
+        prefill_seqs=args.prefill_seqs,
+        prefill_blocks=args.prefill_blocks,
+    )
     for w in workloads:
         results = {}
         engines = ["tokenbudget", "vllm"] if args.engine == "both" else [args.engine]
@@ -179,9 +220,16 @@ def main() -> None:
             print(json.dumps(results[e]), flush=True)
         if len(results) == 2:
             ours, theirs = results["tokenbudget"], results["vllm"]
-            print(json.dumps({"ratio": "tokenbudget/vllm", "workload": w.label,
-                              "total_us_ratio": round(ours["total_us"] / theirs["total_us"], 3)}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "ratio": "tokenbudget/vllm",
+                        "workload": w.label,
+                        "total_us_ratio": round(ours["total_us"] / theirs["total_us"], 3),
+                    }
+                ),
+                flush=True,
+            )
 
 
 def _best_of(engine: str, w: Workload, args) -> dict:
@@ -189,6 +237,7 @@ def _best_of(engine: str, w: Workload, args) -> dict:
     for _ in range(args.repeat):
         if engine == "vllm":
             from vllm_scheduler_driver import VllmEngine  # noqa: PLC0415
+
             runs.append(run(VllmEngine, w))
         else:
             runs.append(run(TokenbudgetEngine, w, policy=args.policy))
@@ -196,10 +245,22 @@ def _best_of(engine: str, w: Workload, args) -> dict:
 
 
 def _run_vllm_subprocess(args, w: Workload) -> dict:
-    cmd = [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm",
-           "--workloads", w.name, "--decode-sizes", str(len(w.prompts)),
-           "--repeat", str(args.repeat), "--prefixes", str(args.prefixes),
-           "--prefill-seqs", str(args.prefill_seqs)]
+    cmd = [
+        args.vllm_python,
+        os.path.abspath(__file__),
+        "--engine",
+        "vllm",
+        "--workloads",
+        w.name,
+        "--decode-sizes",
+        str(len(w.prompts)),
+        "--repeat",
+        str(args.repeat),
+        "--prefixes",
+        str(args.prefixes),
+        "--prefill-seqs",
+        str(args.prefill_seqs),
+    ]
     if args.prefill_blocks:
         cmd += ["--prefill-blocks", str(args.prefill_blocks)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)

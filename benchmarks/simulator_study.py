@@ -9,29 +9,40 @@ The H100 figures are roofline extrapolations (datasheet peaks x assumed
 efficiencies, plus the host overhead fitted on a CPU recording), not
 measurements on an H100.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
 
-from tokenbudget.server.sim import (GPU_DEFAULT_CONSTANTS, TraceRequest, get_hardware,
-                                          get_model, merge, multi_turn_chat, poisson_arrivals,
-                                          sharegpt_like, simulate)
+from tokenbudget.server.sim import (
+    GPU_DEFAULT_CONSTANTS,
+    TraceRequest,
+    get_hardware,
+    get_model,
+    merge,
+    multi_turn_chat,
+    poisson_arrivals,
+    sharegpt_like,
+    simulate,
+)
 from tokenbudget.server.sim.calibrate import fit_recorded
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = {"fcfs": {}, "lpm": {"policy": "lpm"}, "slo": {"policy": "slo"},
-            "slo+reject": {"policy": "slo", "slo_reject_late": True}}
+POLICIES = {
+    "fcfs": {},
+    "lpm": {"policy": "lpm"},
+    "slo": {"policy": "slo"},
+    "slo+reject": {"policy": "slo", "slo_reject_late": True},
+}
 
 
 def traces(n: int, rate: float, ttft_ms: float, tpot_ms: float):
     return {
         "sharegpt": sharegpt_like(n, rate, seed=0, ttft_ms=ttft_ms, tpot_ms=tpot_ms),
-        "bursty": sharegpt_like(n, rate, seed=0, burstiness=0.25, ttft_ms=ttft_ms,
-                                tpot_ms=tpot_ms),
-        "multi-turn": multi_turn_chat(n // 4, rate / 4, seed=0, ttft_ms=ttft_ms,
-                                      tpot_ms=tpot_ms),
+        "bursty": sharegpt_like(n, rate, seed=0, burstiness=0.25, ttft_ms=ttft_ms, tpot_ms=tpot_ms),
+        "multi-turn": multi_turn_chat(n // 4, rate / 4, seed=0, ttft_ms=ttft_ms, tpot_ms=tpot_ms),
     }
 
 
@@ -43,28 +54,45 @@ def tenant_rows(model, hw, scheduler: dict) -> list[dict]:
     b10 = sharegpt_like(400, 4.0, seed=1, tenant="B")
     a10 = sharegpt_like(4000, 40.0, seed=2, tenant="A")
     a = [TraceRequest(t, 16000, 4, tenant="A") for t in poisson_arrivals(40, 4.0, seed=2)]
-    b = [TraceRequest(t, 200, 100, tenant="B")
-         for t in poisson_arrivals(20, 2.0, seed=1, start=1.0)]
+    b = [
+        TraceRequest(t, 200, 100, tenant="B") for t in poisson_arrivals(20, 2.0, seed=1, start=1.0)
+    ]
     big = dict(scheduler, max_num_batched_tokens=8192, max_model_len=32768)
     fair = dict(big, fair_share=True, tenant_weights={"B": 7.0})
-    runs = {("10x", "B alone"): (b10, scheduler),
-            ("10x", "A + B, fcfs"): (merge(a10, b10), scheduler),
-            ("10x", "A + B, fair share"): (merge(a10, b10), dict(scheduler, fair_share=True)),
-            ("16k flood", "B alone"): (b, big),
-            ("16k flood", "A + B, fcfs"): (merge(a, b), big),
-            ("16k flood", "A + B, fair share (B weighs 7), no chunk cap"):
-                (merge(a, b), dict(fair, fair_share_chunk_cap=False)),
-            ("16k flood", "A + B, fair share (B weighs 7), chunk cap"): (merge(a, b), fair)}
+    runs = {
+        ("10x", "B alone"): (b10, scheduler),
+        ("10x", "A + B, fcfs"): (merge(a10, b10), scheduler),
+        ("10x", "A + B, fair share"): (merge(a10, b10), dict(scheduler, fair_share=True)),
+        ("16k flood", "B alone"): (b, big),
+        ("16k flood", "A + B, fcfs"): (merge(a, b), big),
+        ("16k flood", "A + B, fair share (B weighs 7), no chunk cap"): (
+            merge(a, b),
+            dict(fair, fair_share_chunk_cap=False),
+        ),
+        ("16k flood", "A + B, fair share (B weighs 7), chunk cap"): (merge(a, b), fair),
+    }
     rows = []
     for (scenario, name), (trace, sched) in runs.items():
-        s = simulate(trace, model=model, hardware=hw, constants=GPU_DEFAULT_CONSTANTS,
-                     scheduler=sched, cache={"num_blocks": 40000}).summary
+        s = simulate(
+            trace,
+            model=model,
+            hardware=hw,
+            constants=GPU_DEFAULT_CONSTANTS,
+            scheduler=sched,
+            cache={"num_blocks": 40000},
+        ).summary
         t = s.get("tenants", {})
         b_ = t.get("B", s)
-        row = dict(scenario=scenario, run=name, b_ttft_p99_ms=b_["ttft_ms"]["p99"],
-                   b_tpot_p50_ms=b_["tpot_ms"]["p50"], b_tpot_p99_ms=b_["tpot_ms"]["p99"],
-                   a_ttft_p50_ms=t["A"]["ttft_ms"]["p50"] if "A" in t else None,
-                   finished=s["finished"], duration_s=s["duration_s"])
+        row = dict(
+            scenario=scenario,
+            run=name,
+            b_ttft_p99_ms=b_["ttft_ms"]["p99"],
+            b_tpot_p50_ms=b_["tpot_ms"]["p50"],
+            b_tpot_p99_ms=b_["tpot_ms"]["p99"],
+            a_ttft_p50_ms=t["A"]["ttft_ms"]["p50"] if "A" in t else None,
+            finished=s["finished"],
+            duration_s=s["duration_s"],
+        )
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -84,27 +112,52 @@ def main() -> None:
     rows = []
     for replicas in args.replicas:
         n = args.requests_per_replica * replicas
-        for tname, trace in traces(n, args.rate_per_replica * replicas, args.ttft_ms,
-                                   args.tpot_ms).items():
+        for tname, trace in traces(
+            n, args.rate_per_replica * replicas, args.ttft_ms, args.tpot_ms
+        ).items():
             for pname, opts in POLICIES.items():
                 router = "cache-aware" if replicas > 1 else "round-robin"
-                s = simulate(trace, model=model, hardware=hw, constants=GPU_DEFAULT_CONSTANTS,
-                             scheduler=dict(scheduler, **opts), num_replicas=replicas,
-                             router=router).summary
-                row = dict(replicas=replicas, trace=tname, policy=pname, router=router,
-                           requests=len(trace), **{k: s[k] for k in (
-                               "throughput_req_s", "goodput_req_s", "slo_attainment",
-                               "refused", "preemptions", "prefix_hit_rate", "kv_usage_peak",
-                               "wall_s")},
-                           ttft_p50_ms=s["ttft_ms"]["p50"], ttft_p99_ms=s["ttft_ms"]["p99"],
-                           tpot_p50_ms=s["tpot_ms"]["p50"], tpot_p99_ms=s["tpot_ms"]["p99"],
-                           e2e_p99_s=s["e2e_s"]["p99"])
+                s = simulate(
+                    trace,
+                    model=model,
+                    hardware=hw,
+                    constants=GPU_DEFAULT_CONSTANTS,
+                    scheduler=dict(scheduler, **opts),
+                    num_replicas=replicas,
+                    router=router,
+                ).summary
+                row = dict(
+                    replicas=replicas,
+                    trace=tname,
+                    policy=pname,
+                    router=router,
+                    requests=len(trace),
+                    **{
+                        k: s[k]
+                        for k in (
+                            "throughput_req_s",
+                            "goodput_req_s",
+                            "slo_attainment",
+                            "refused",
+                            "preemptions",
+                            "prefix_hit_rate",
+                            "kv_usage_peak",
+                            "wall_s",
+                        )
+                    },
+                    ttft_p50_ms=s["ttft_ms"]["p50"],
+                    ttft_p99_ms=s["ttft_ms"]["p99"],
+                    tpot_p50_ms=s["tpot_ms"]["p50"],
+                    tpot_p99_ms=s["tpot_ms"]["p99"],
+                    e2e_p99_s=s["e2e_s"]["p99"],
+                )
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     tenants = tenant_rows(model, hw, scheduler)
     if args.markdown:
-        recording = json.loads((ROOT / "tests/simulator/data/cpu_calibration_steps.json")
-                               .read_text())
+        recording = json.loads(
+            (ROOT / "tests/simulator/data/cpu_calibration_steps.json").read_text()
+        )
         fit = fit_recorded(recording)
         write_markdown(Path(args.markdown), rows, tenants, fit, args)
 
@@ -146,7 +199,8 @@ def write_markdown(path: Path, rows, tenants, fit, args) -> None:
             f"{r['slo_attainment']:.0%} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['e2e_p99_s']:.1f} | "
             f"{r['refused']} | {r['preemptions']} | {r['prefix_hit_rate']:.0%} | "
-            f"{r['kv_usage_peak']:.0%} |")
+            f"{r['kv_usage_peak']:.0%} |"
+        )
     lines += [
         "",
         "Two tenants on one replica, 40,000 KV blocks. `10x`: A sends the ShareGPT-like "
@@ -163,8 +217,10 @@ def write_markdown(path: Path, rows, tenants, fit, args) -> None:
     for r in tenants:
         a_ttft = "-" if r["a_ttft_p50_ms"] is None else f"{r['a_ttft_p50_ms']:.0f}"
         lines.append(
-            f"| {r['scenario']} | {r['run']} | {r['b_ttft_p99_ms']:.0f} | {r['b_tpot_p50_ms']:.1f} / "
-            f"{r['b_tpot_p99_ms']:.1f} | {a_ttft} | {r['finished']} | {r['duration_s']:.1f} |")
+            f"| {r['scenario']} | {r['run']} | {r['b_ttft_p99_ms']:.0f} | "
+            f"{r['b_tpot_p50_ms']:.1f} / "
+            f"{r['b_tpot_p99_ms']:.1f} | {a_ttft} | {r['finished']} | {r['duration_s']:.1f} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 

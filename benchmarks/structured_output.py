@@ -14,6 +14,7 @@
 
     python benchmarks/structured_output.py [--num-requests 256 --max-tokens 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,23 +31,30 @@ SCHEMA = {
         "name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["admin", "user", "guest"]},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string"},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
         "tags": {"type": "array", "items": {"type": "string"}},
     },
     "required": ["name", "age", "role", "address", "tags"],
 }
 # Too long to finish within max_tokens: every structured request runs to the cap.
 LONG_SCHEMA = {"type": "array", "items": SCHEMA, "minItems": 64}
-SAMPLE_JSON = ('{"name": "ada", "age": 36, "role": "admin", "address": {"city": '
-               '"London, the old town by the river", "zip": "12345"}, "tags": ["math", "poetry", '
-               '"engines"]}')
-OTHER_SPECS = {"regex": r"[a-z]{1,6}-[0-9]{2,4}(\.[A-Z])?",
-               "grammar": 'root ::= list\nlist ::= "[" (item ("," item)*)? "]"\n'
-                          'item ::= [0-9]+ | list',
-               "choice": ["yes", "no", "maybe so"]}
+SAMPLE_JSON = (
+    '{"name": "ada", "age": 36, "role": "admin", "address": {"city": '
+    '"London, the old town by the river", "zip": "12345"}, "tags": ["math", "poetry", '
+    '"engines"]}'
+)
+OTHER_SPECS = {
+    "regex": r"[a-z]{1,6}-[0-9]{2,4}(\.[A-Z])?",
+    "grammar": 'root ::= list\nlist ::= "[" (item ("," item)*)? "]"\nitem ::= [0-9]+ | list',
+    "choice": ["yes", "no", "maybe so"],
+}
 
 
 def _timed(fn, *args):
@@ -56,21 +64,31 @@ def _timed(fn, *args):
 
 
 # -- throughput ---------------------------------------------------------------------------
-def throughput(model: str, n: int, max_tokens: int, prompt_len: int, async_scheduling: bool,
-               repeat: int):
+def throughput(
+    model: str, n: int, max_tokens: int, prompt_len: int, async_scheduling: bool, repeat: int
+):
     from tokenbudget.core import SamplingParams
     from tokenbudget.server import LLM
 
-    llm = LLM(model, max_num_seqs=n, max_num_batched_tokens=max(8192, n * prompt_len),
-              async_scheduling=async_scheduling, max_model_len=prompt_len + max_tokens + 16)
+    llm = LLM(
+        model,
+        max_num_seqs=n,
+        max_num_batched_tokens=max(8192, n * prompt_len),
+        async_scheduling=async_scheduling,
+        max_model_len=prompt_len + max_tokens + 16,
+    )
     manager = llm.structured_output
     runner = llm.executor.worker.model_runner
     spent = {"bitmask": 0.0, "accept": 0.0, "mask": 0.0}
     # grammar_bitmask (sync) and the deferred fill (async, in-process) both go
     # through the first two, so timing them counts every fill exactly once.
     # The worker's _apply_grammar: waiting for a deferred mask, then masking.
-    timers = [(manager, "sampling_req_ids", "bitmask"), (manager, "fill_bitmask", "bitmask"),
-              (manager, "accept_tokens", "accept"), (runner, "_apply_grammar", "mask")]
+    timers = [
+        (manager, "sampling_req_ids", "bitmask"),
+        (manager, "fill_bitmask", "bitmask"),
+        (manager, "accept_tokens", "accept"),
+        (runner, "_apply_grammar", "mask"),
+    ]
     for owner, name, key in timers:
         inner = getattr(owner, name)
 
@@ -80,15 +98,27 @@ def throughput(model: str, n: int, max_tokens: int, prompt_len: int, async_sched
                 return _inner(*a)
             finally:
                 spent[_key] += time.perf_counter() - t
+
         setattr(owner, name, timed)
     rng = random.Random(0)
     vocab = len(llm.tokenizer)
-    prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(prompt_len)]}
-               for _ in range(n)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(prompt_len)]}
+        for _ in range(n)
+    ]
 
     def params(structured):
-        return [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True,
-                               structured=structured) for i in range(n)]
+        return [
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                structured=structured,
+            )
+            for i in range(n)
+        ]
+
     # Warm up: model kernels and the grammar (its compile is measured separately).
     llm.generate(prompts[:4], params({"json_schema": LONG_SCHEMA})[:4])
     configs = (("none", None), ("json_schema", {"json_schema": LONG_SCHEMA}))
@@ -104,13 +134,17 @@ def throughput(model: str, n: int, max_tokens: int, prompt_len: int, async_sched
     tokens = n * max_tokens
     for label, measured in runs.items():
         dt, used = sorted(measured, key=lambda r: r[0])[len(measured) // 2]  # the median run
-        result[label] = {"seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),
-                         "all_seconds": [round(r[0], 3) for r in measured],
-                         "bitmask_ms_total": round(used["bitmask"] * 1e3, 1),
-                         "accept_ms_total": round(used["accept"] * 1e3, 1),
-                         "worker_mask_ms_total": round(used["mask"] * 1e3, 1)}
+        result[label] = {
+            "seconds": round(dt, 3),
+            "tokens_per_s": round(tokens / dt, 1),
+            "all_seconds": [round(r[0], 3) for r in measured],
+            "bitmask_ms_total": round(used["bitmask"] * 1e3, 1),
+            "accept_ms_total": round(used["accept"] * 1e3, 1),
+            "worker_mask_ms_total": round(used["mask"] * 1e3, 1),
+        }
     result["structured_over_none"] = round(
-        result["json_schema"]["tokens_per_s"] / result["none"]["tokens_per_s"], 3)
+        result["json_schema"]["tokens_per_s"] / result["none"]["tokens_per_s"], 3
+    )
     # Per pair of neighbouring runs, then their median: robust to drifting load.
     pairs = [a[0] / b[0] for a, b in zip(runs["none"], runs["json_schema"])]
     result["structured_over_none_paired_median"] = round(statistics.median(pairs), 3)
@@ -132,16 +166,25 @@ def big_tokenizer(directory: Path, vocab_size: int):
 
         def lines():
             for _ in range(1500):
-                yield " ".join("".join(rng.choices(alphabet, k=rng.randint(2, 10)))
-                               for _ in range(1000))
+                yield " ".join(
+                    "".join(rng.choices(alphabet, k=rng.randint(2, 10))) for _ in range(1000)
+                )
+
         backend = Tokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-        backend.train_from_iterator(lines(), trainer=trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_end|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-        tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>")
+        backend.train_from_iterator(
+            lines(),
+            trainer=trainers.BpeTrainer(
+                vocab_size=vocab_size,
+                special_tokens=["<|endoftext|>", "<|im_end|>"],
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                show_progress=False,
+            ),
+        )
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        )
         tok.save_pretrained(str(path))
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
@@ -149,8 +192,9 @@ def big_tokenizer(directory: Path, vocab_size: int):
 def _request(rid: str, spec: dict, eos: int):
     from tokenbudget.core import Request, SamplingParams
 
-    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=4096, structured=spec),
-                   eos_token_id=eos)
+    return Request(
+        rid, [1, 2, 3], SamplingParams(max_tokens=4096, structured=spec), eos_token_id=eos
+    )
 
 
 def compile_times(tokenizer, vocab_size: int):
@@ -178,9 +222,11 @@ def compile_times(tokenizer, vocab_size: int):
         assert ready
         manager.remove_request(req)
     manager.shutdown()
-    return {"tokenizer_info_s": round(info_s, 3),
-            "cold_compile_ms": {k: round(v * 1e3, 2) for k, v in cold.items()},
-            "cached_add_and_ready_us": round(statistics.median(times) * 1e6, 1)}
+    return {
+        "tokenizer_info_s": round(info_s, 3),
+        "cold_compile_ms": {k: round(v * 1e3, 2) for k, v in cold.items()},
+        "cached_add_and_ready_us": round(statistics.median(times) * 1e6, 1),
+    }
 
 
 def bitmask_times(tokenizer, vocab_size: int, rows_list: list[int], steps: int):
@@ -225,10 +271,12 @@ def bitmask_times(tokenizer, vocab_size: int, rows_list: list[int], steps: int):
             x = logits.clone()
             _, dt = _timed(xgr.apply_token_bitmask_inplace, x, mask)
             reference.append(dt)
-        out[str(rows)] = {"fill_ms": round(statistics.median(fills) * 1e3, 3),
-                          "fill_us_per_row": round(statistics.median(fills) / rows * 1e6, 2),
-                          "cpu_apply_ms": round(statistics.median(applies) * 1e3, 3),
-                          "xgrammar_cpu_apply_ms": round(statistics.median(reference) * 1e3, 3)}
+        out[str(rows)] = {
+            "fill_ms": round(statistics.median(fills) * 1e3, 3),
+            "fill_us_per_row": round(statistics.median(fills) / rows * 1e6, 2),
+            "cpu_apply_ms": round(statistics.median(applies) * 1e3, 3),
+            "xgrammar_cpu_apply_ms": round(statistics.median(reference) * 1e3, 3),
+        }
         manager.shutdown()
     return out
 
@@ -242,8 +290,15 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=150_000)
     p.add_argument("--rows", default="64,256")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=5, help="interleaved throughput runs per config (median reported)")
-    p.add_argument("--tokenizer-dir", default=str(Path(tempfile.gettempdir()) / "tokenbudget-bench"))
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="interleaved throughput runs per config (median reported)",
+    )
+    p.add_argument(
+        "--tokenizer-dir", default=str(Path(tempfile.gettempdir()) / "tokenbudget-bench")
+    )
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--skip", default="", help="comma list of throughput,compile,bitmask")
     args = p.parse_args()
@@ -251,8 +306,11 @@ def main() -> None:
 
     torch.set_num_threads(args.torch_threads)
     skip = set(filter(None, args.skip.split(",")))
-    report: dict = {"num_requests": args.num_requests, "max_tokens": args.max_tokens,
-                    "torch_threads": args.torch_threads}
+    report: dict = {
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+        "torch_threads": args.torch_threads,
+    }
     if "throughput" not in skip:
         model = args.model
         if model is None:
@@ -261,9 +319,16 @@ def main() -> None:
             model = build_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny_qwen3")
         report["model"] = args.model or "tiny random Qwen3 (vocab 1216)"
         report["throughput"] = {
-            mode: throughput(model, args.num_requests, args.max_tokens, args.prompt_len,
-                             mode == "async", args.repeat)
-            for mode in ("sync", "async")}
+            mode: throughput(
+                model,
+                args.num_requests,
+                args.max_tokens,
+                args.prompt_len,
+                mode == "async",
+                args.repeat,
+            )
+            for mode in ("sync", "async")
+        }
     if skip >= {"compile", "bitmask"}:
         print(json.dumps(report, indent=1))
         return
@@ -271,8 +336,11 @@ def main() -> None:
 
     tok, train_s = _timed(big_tokenizer, Path(args.tokenizer_dir), args.vocab_size)
     vocab = padded_vocab_size(len(tok))
-    report["big_vocab"] = {"tokenizer_tokens": len(tok), "model_vocab": vocab,
-                           "tokenizer_load_or_train_s": round(train_s, 1)}
+    report["big_vocab"] = {
+        "tokenizer_tokens": len(tok),
+        "model_vocab": vocab,
+        "tokenizer_load_or_train_s": round(train_s, 1),
+    }
     if "compile" not in skip:
         report["compile"] = compile_times(tok, vocab)
     if "bitmask" not in skip:

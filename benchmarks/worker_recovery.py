@@ -13,6 +13,7 @@ detects it), then SIGCONT: detection time and time back to SERVING.
 Both report GetStats right after the fault (running, waiting, KV blocks in
 use: all 0 when nothing leaked).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,19 @@ def _start(argv: list[str]) -> tuple[subprocess.Popen, int]:
 
 
 def _worker(port: int) -> subprocess.Popen:
-    return _start([sys.executable, "-m", "tokenbudget.worker", "--port", str(port),
-                   "--threads", "1", "--log-level", "warning"])[0]
+    return _start(
+        [
+            sys.executable,
+            "-m",
+            "tokenbudget.worker",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+        ]
+    )[0]
 
 
 def _seconds_until_serving(address: str, timeout: float = 120.0) -> float:
@@ -77,8 +89,7 @@ def _fault(address: str, streams: int, strike) -> dict:
 
     def run(i: int) -> None:
         with Client(address) as c:
-            it = c.generate_stream(f"stream {i}", max_tokens=3000, temperature=0,
-                                   ignore_eos=True)
+            it = c.generate_stream(f"stream {i}", max_tokens=3000, temperature=0, ignore_eos=True)
             try:
                 next(it)
                 started.wait(60)
@@ -98,21 +109,31 @@ def _fault(address: str, streams: int, strike) -> dict:
         t.join(120)
     with Client(address) as c:
         s = c.stats()
-    return {"streams_failed": len(failed),
-            "last_failure_s": round(max(failed) - at, 3) if failed else None,
-            "after": {"running": s.num_running, "waiting": s.num_waiting,
-                      "blocks_in_use": s.num_total_blocks - s.num_free_blocks}}
+    return {
+        "streams_failed": len(failed),
+        "last_failure_s": round(max(failed) - at, 3) if failed else None,
+        "after": {
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "blocks_in_use": s.num_total_blocks - s.num_free_blocks,
+        },
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="checkpoint (default: the tiny random Qwen3)")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--step-timeout", type=float, default=3.0)
-    p.add_argument("--num-gpu-blocks", type=int, default=512,
-                   help="KV blocks (default %(default)s; the CPU default of 1 GiB of KV adds "
-                   "seconds to every Initialize)")
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=512,
+        help="KV blocks (default %(default)s; the CPU default of 1 GiB of KV adds "
+        "seconds to every Initialize)",
+    )
     args = p.parse_args()
     model = args.model
     if model is None:
@@ -121,11 +142,25 @@ def main() -> None:
         model = build_tiny_qwen3(tempfile.mkdtemp(prefix="tiny_qwen3_"), seed=0)
     port = _free_port()
     worker = _worker(port)
-    server, server_port = _start([str(BIN / "server"), "--model", model, "--port", "0",
-                                  "--torch-threads", "1", "--worker", f"127.0.0.1:{port}",
-                                  "--worker-step-timeout", str(args.step_timeout),
-                                  "--num-gpu-blocks", str(args.num_gpu_blocks),
-                                  "--log-level", "warning"])
+    server, server_port = _start(
+        [
+            str(BIN / "server"),
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--torch-threads",
+            "1",
+            "--worker",
+            f"127.0.0.1:{port}",
+            "--worker-step-timeout",
+            str(args.step_timeout),
+            "--num-gpu-blocks",
+            str(args.num_gpu_blocks),
+            "--log-level",
+            "warning",
+        ]
+    )
     address = f"127.0.0.1:{server_port}"
     try:
         _seconds_until_serving(address)
@@ -133,14 +168,32 @@ def main() -> None:
         worker.wait()
         worker = _worker(port)
         kill["serving_again_s"] = round(_seconds_until_serving(address), 3)
-        print(json.dumps({"fault": "kill", "streams": args.streams,
-                          "num_gpu_blocks": args.num_gpu_blocks, **kill}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "fault": "kill",
+                    "streams": args.streams,
+                    "num_gpu_blocks": args.num_gpu_blocks,
+                    **kill,
+                }
+            ),
+            flush=True,
+        )
 
         stop = _fault(address, args.streams, lambda: worker.send_signal(signal.SIGSTOP))
         worker.send_signal(signal.SIGCONT)
         stop["serving_again_s"] = round(_seconds_until_serving(address), 3)
-        print(json.dumps({"fault": "stop", "streams": args.streams,
-                          "step_timeout_s": args.step_timeout, **stop}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "fault": "stop",
+                    "streams": args.streams,
+                    "step_timeout_s": args.step_timeout,
+                    **stop,
+                }
+            ),
+            flush=True,
+        )
     finally:
         for proc in (server, worker):
             proc.kill()

@@ -9,6 +9,7 @@ scheduler finishes those requests with status FINISHED_ERROR (finish reason
 attributed (the worker died, the forward failed for every request) stays a
 step error, as does a reply that is malformed (``WorkerReplyError``).
 """
+
 from __future__ import annotations
 
 import re

@@ -2,6 +2,7 @@
 
 The gRPC layer converts these to and from protobuf in one place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

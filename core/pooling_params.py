@@ -6,6 +6,7 @@ sentence-transformers files, else by architecture, else the engine setting
 left None takes the model's default (``resolve``). The scheduler only ever
 sees resolved params.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,8 @@ class PoolingParams:
         """These params with the model's default where a field is unset."""
         return PoolingParams(
             self.pooling_type if self.pooling_type is not None else default.pooling_type,
-            self.normalize if self.normalize is not None else default.normalize)
+            self.normalize if self.normalize is not None else default.normalize,
+        )
 
 
 @dataclass(slots=True)
@@ -76,8 +78,10 @@ class PoolerConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config: not JSON ({exc}); expected e.g. "
-                                 '\'{"pooling_type": "MEAN", "normalize": false}\'') from None
+                raise ValueError(
+                    f"pooler_config: not JSON ({exc}); expected e.g. "
+                    '\'{"pooling_type": "MEAN", "normalize": false}\''
+                ) from None
         if not isinstance(value, dict):
             raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
         out: dict[str, Any] = {}
@@ -87,6 +91,7 @@ class PoolerConfig:
             elif key == "normalize":
                 out[key] = _check_normalize(v, "pooler_config.normalize")
             else:
-                raise ValueError(f"pooler_config.{key}: not supported (only pooling_type "
-                                 "and normalize)")
+                raise ValueError(
+                    f"pooler_config.{key}: not supported (only pooling_type and normalize)"
+                )
         return out

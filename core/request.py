@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: tokens, progress and status."""
+
 from __future__ import annotations
 
 import enum
@@ -58,8 +59,10 @@ class MultiModalFeature:
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length <= 0:
-            raise ValueError(f"mm feature {self.mm_hash}: offset must be >= 0 and "
-                             f"length >= 1, got offset={self.offset} length={self.length}")
+            raise ValueError(
+                f"mm feature {self.mm_hash}: offset must be >= 0 and "
+                f"length >= 1, got offset={self.offset} length={self.length}"
+            )
 
 
 class Request:
@@ -73,13 +76,37 @@ class Request:
     vector instead of a token."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
-        "arrival_time", "mm_features", "cache_salt", "lora_id", "status",
-        "num_computed_tokens", "output_token_ids", "all_token_ids", "spec_token_ids",
-        "num_cached_tokens", "num_preemptions", "block_hashes", "num_output_placeholders",
-        "stop_reason", "max_tokens", "num_prompt_tokens", "structured_request",
-        "first_scheduled_time", "skip_reading_prefix_cache", "num_prompt_logprobs_sent",
-        "tenant", "ttft_ms", "tpot_ms", "pooling_params", "__weakref__")
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "priority",
+        "arrival_time",
+        "mm_features",
+        "cache_salt",
+        "lora_id",
+        "status",
+        "num_computed_tokens",
+        "output_token_ids",
+        "all_token_ids",
+        "spec_token_ids",
+        "num_cached_tokens",
+        "num_preemptions",
+        "block_hashes",
+        "num_output_placeholders",
+        "stop_reason",
+        "max_tokens",
+        "num_prompt_tokens",
+        "structured_request",
+        "first_scheduled_time",
+        "skip_reading_prefix_cache",
+        "num_prompt_logprobs_sent",
+        "tenant",
+        "ttft_ms",
+        "tpot_ms",
+        "pooling_params",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -97,8 +124,9 @@ class Request:
         tpot_ms: float | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> None:
-        sampling_params = _checked_params(request_id, prompt_token_ids, sampling_params,
-                                          pooling_params, ttft_ms, tpot_ms)
+        sampling_params = _checked_params(
+            request_id, prompt_token_ids, sampling_params, pooling_params, ttft_ms, tpot_ms
+        )
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -131,14 +159,8 @@ class Request:
         # Set by the structured-output manager for constrained requests.
         self.structured_request: Any = None
         self.first_scheduled_time: float | None = None
-        # Prompt logprobs need the logits of every prompt position, which a
-        # prefix-cache hit would skip: such requests compute their whole prompt.
         self.pooling_params = pooling_params
-        # Likewise MEAN and CLS pooling need the hidden state of every prompt
-        # position (CLS: of position 0), which a hit would skip; LAST needs
-        # only the last token, which is always computed.
-        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None or (
-            pooling_params is not None and pooling_params.pooling_type != "LAST")
+        self.skip_reading_prefix_cache = _computes_whole_prompt(sampling_params, pooling_params)
         # Prompt tokens whose logprobs were output (token 0 has none: it starts at 1).
         self.num_prompt_logprobs_sent = 1
 
@@ -165,23 +187,32 @@ class Request:
         return RequestStatus.finish_reason(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
 
 
-def _checked_params(request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams | None,
-                    pooling_params: PoolingParams | None,
-                    ttft_ms: float | None, tpot_ms: float | None) -> SamplingParams:
+def _checked_params(
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams | None,
+    pooling_params: PoolingParams | None,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+) -> SamplingParams:
     """The request's sampling params (a pooling request's: one token to come),
     after refusing what cannot be scheduled."""
     if pooling_params is not None:
         if sampling_params is not None:
-            raise ValueError(f"request {request_id}: give sampling_params or "
-                             "pooling_params, not both")
+            raise ValueError(
+                f"request {request_id}: give sampling_params or pooling_params, not both"
+            )
         if not pooling_params.is_resolved:
-            raise ValueError(f"request {request_id}: pooling_params must be resolved "
-                             "against the model's PoolerConfig first")
+            raise ValueError(
+                f"request {request_id}: pooling_params must be resolved "
+                "against the model's PoolerConfig first"
+            )
         sampling_params = SamplingParams(max_tokens=1)
     elif sampling_params is None:
         raise ValueError(f"request {request_id}: sampling_params must be given")
@@ -191,3 +222,16 @@ def _checked_params(request_id: str, prompt_token_ids: list[int],
         if value is not None and not value > 0:
             raise ValueError(f"request {request_id}: {name} must be > 0, got {value}")
     return sampling_params
+
+
+def _computes_whole_prompt(
+    sampling_params: SamplingParams, pooling_params: PoolingParams | None
+) -> bool:
+    """Whether a request must compute its whole prompt, reading no prefix-cache
+    hit. Prompt logprobs need the logits of every prompt position, which a hit
+    would skip. Likewise MEAN and CLS pooling need the hidden state of every
+    prompt position (CLS: of position 0); LAST needs only the last token, which
+    is always computed."""
+    return sampling_params.prompt_logprobs is not None or (
+        pooling_params is not None and pooling_params.pooling_type != "LAST"
+    )

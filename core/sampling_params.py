@@ -1,4 +1,5 @@
 """Sampling parameters, validated on construction."""
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,18 @@ class StructuredOutputParams:
         if len(given) != 1:
             raise ValueError(
                 "structured must set exactly one of "
-                f"{', '.join(STRUCTURED_KINDS)}; got {given or 'none'}")
+                f"{', '.join(STRUCTURED_KINDS)}; got {given or 'none'}"
+            )
         if self.json_schema is not None and not isinstance(self.json_schema, (str, dict)):
             raise ValueError("structured.json_schema must be a str or a dict")
         if self.json_schema is not None:
             depth = _json_depth(self.json_schema)
             if depth > MAX_JSON_SCHEMA_DEPTH:
-                raise ValueError(f"structured.json_schema: nested {depth} levels deep, more than "
-                                 f"{MAX_JSON_SCHEMA_DEPTH} (deeper schemas take seconds to "
-                                 "minutes to compile)")
+                raise ValueError(
+                    f"structured.json_schema: nested {depth} levels deep, more than "
+                    f"{MAX_JSON_SCHEMA_DEPTH} (deeper schemas take seconds to "
+                    "minutes to compile)"
+                )
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("structured.choice must be a non-empty list of strings")
@@ -66,11 +70,14 @@ class StructuredOutputParams:
         if isinstance(value, dict):
             unknown = set(value) - set(STRUCTURED_KINDS)
             if unknown:
-                raise ValueError(f"structured: unknown key(s) {sorted(unknown)}; "
-                                 f"expected one of {', '.join(STRUCTURED_KINDS)}")
+                raise ValueError(
+                    f"structured: unknown key(s) {sorted(unknown)}; "
+                    f"expected one of {', '.join(STRUCTURED_KINDS)}"
+                )
             return cls(**value)
-        raise ValueError(f"structured must be a dict or StructuredOutputParams, got "
-                         f"{type(value).__name__}")
+        raise ValueError(
+            f"structured must be a dict or StructuredOutputParams, got {type(value).__name__}"
+        )
 
 
 def _json_depth(value: str | dict) -> int:
@@ -148,8 +155,9 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
-                             f"got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
         _check_number("temperature", self.temperature, 0, _MAX_TEMPERATURE)
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
@@ -159,8 +167,12 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids or [])
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
@@ -169,23 +181,26 @@ class SamplingParams:
         self.stop = _string_list("stop", self.stop)
         _check_number("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty <= _MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {_MAX_REPETITION_PENALTY}], "
-                             f"got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be in (0, {_MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}"
+            )
         _check_number("frequency_penalty", self.frequency_penalty, -2, 2)
         _check_number("presence_penalty", self.presence_penalty, -2, 2)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty (leave it unset to "
-                                 "allow every token)")
+                raise ValueError(
+                    "allowed_token_ids must not be empty (leave it unset to allow every token)"
+                )
         if self.bad_words is not None:
             self.bad_words = _string_list("bad_words", self.bad_words) or None
         if self.bad_words_token_ids is not None:
             self.bad_words_token_ids = [
                 _int_list(f"bad_words_token_ids[{i}]", seq, non_empty=True)
-                for i, seq in enumerate(_sequence("bad_words_token_ids",
-                                                  self.bad_words_token_ids))] or None
+                for i, seq in enumerate(_sequence("bad_words_token_ids", self.bad_words_token_ids))
+            ] or None
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
@@ -200,8 +215,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -222,8 +240,9 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_number(name: str, value: Any, low: float | None = None,
-                  high: float | None = None) -> None:
+def _check_number(
+    name: str, value: Any, low: float | None = None, high: float | None = None
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and high is not None and not low <= value <= high:
@@ -259,8 +278,9 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
-                         f"{type(value).__name__}")
+        raise ValueError(
+            f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}"
+        )
     out: dict[int, float] = {}
     for key, bias in value.items():
         # OpenAI clients send JSON, whose object keys are strings.

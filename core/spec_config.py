@@ -6,6 +6,7 @@ the same dict in ``LLM(..., speculative_config=...)``. The scheduler only needs
 ``num_speculative_tokens`` (draft slots per request and step); the worker builds
 the proposer from the rest.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,11 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of "
-                             f"{', '.join(map(repr, SPEC_METHODS))}, got {self.method!r} "
-                             "(model-based drafters are not supported)")
+            raise ValueError(
+                f"speculative_config.method must be one of "
+                f"{', '.join(map(repr, SPEC_METHODS))}, got {self.method!r} "
+                "(model-based drafters are not supported)"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -39,12 +42,15 @@ class SpeculativeConfig:
             if value < 1:
                 raise ValueError(f"speculative_config.{name} must be >= 1, got {value}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
-                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                f"must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None
-              ) -> SpeculativeConfig | None:
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
         """A dict, its JSON text, a SpeculativeConfig or None (off). As in vLLM,
         ``num_speculative_tokens`` is required, and a missing lookup bound takes
         the other's value (both missing: 5)."""
@@ -56,16 +62,19 @@ class SpeculativeConfig:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a dict (JSON object) such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}, '
-                             f"got {type(value).__name__}")
+            raise ValueError(
+                "speculative_config must be a dict (JSON object) such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}, '
+                f"got {type(value).__name__}"
+            )
         known = [f.name for f in fields(cls)]
         for key in value:
             if key not in known:
-                raise ValueError(f"speculative_config: unknown key {key!r} "
-                                 f"(known: {', '.join(known)})")
+                raise ValueError(
+                    f"speculative_config: unknown key {key!r} (known: {', '.join(known)})"
+                )
         if "method" not in value:
-            raise ValueError("speculative_config.method is required (e.g. \"ngram\")")
+            raise ValueError('speculative_config.method is required (e.g. "ngram")')
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         values = dict(value)

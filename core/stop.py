@@ -1,11 +1,13 @@
 """Stop rules applied to newly sampled tokens."""
+
 from __future__ import annotations
 
 from tokenbudget.core.request import Request, RequestStatus
 
 
-def check_stop(req: Request, new_token_ids: list[int],
-               max_model_len: int) -> tuple[RequestStatus | None, list[int]]:
+def check_stop(
+    req: Request, new_token_ids: list[int], max_model_len: int
+) -> tuple[RequestStatus | None, list[int]]:
     """Append ``new_token_ids`` to ``req`` one by one, stopping at the first
     stop condition; tokens past a stop are dropped. Returns the finished
     status (or None) and the tokens kept."""
@@ -23,10 +25,10 @@ def check_stop(req: Request, new_token_ids: list[int],
         # min_tokens holds back EOS and stop ids, never the length limits.
         if n_out >= min_tokens:
             if token == eos:
-                return RequestStatus.FINISHED_STOPPED, new_token_ids[:k + 1]
+                return RequestStatus.FINISHED_STOPPED, new_token_ids[: k + 1]
             if stop_ids and token in stop_ids:
                 req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED, new_token_ids[:k + 1]
+                return RequestStatus.FINISHED_STOPPED, new_token_ids[: k + 1]
         if n_out >= max_tokens or len(all_ids) >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED, new_token_ids[:k + 1]
+            return RequestStatus.FINISHED_LENGTH_CAPPED, new_token_ids[: k + 1]
     return None, new_token_ids

@@ -8,6 +8,7 @@ Tensors (multimodal pixel values, grammar bitmasks) travel as raw bytes plus
 dtype and shape; torch is imported only when a tensor is actually met, so the
 scheduler side (core) stays torch-free.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,11 @@ from typing import Any
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolingParams
-from tokenbudget.core.sampling_params import (STRUCTURED_KINDS, SamplingParams,
-                                              StructuredOutputParams)
+from tokenbudget.core.sampling_params import (
+    STRUCTURED_KINDS,
+    SamplingParams,
+    StructuredOutputParams,
+)
 from tokenbudget.core.kv.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
 from tokenbudget.proto import common_pb2, generate_pb2, worker_pb2
 
@@ -120,12 +124,26 @@ def value_from_proto(msg: common_pb2.Value) -> Any:
 
 # -- sampling params ----------------------------------------------------------------
 
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k",
-                             "min_p", "seed", "ignore_eos", "logprobs",
-                             "include_stop_str_in_output", "repetition_penalty",
-                             "frequency_penalty", "presence_penalty", "n", "prompt_logprobs",
-                             "skip_special_tokens", "spaces_between_special_tokens",
-                             "truncate_prompt_tokens")
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "include_stop_str_in_output",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "n",
+    "prompt_logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+)
 # Repeated fields whose empty value means unset (None or the default).
 _LIST_SAMPLING_FIELDS = ("stop_token_ids", "stop", "allowed_token_ids", "bad_words")
 
@@ -147,8 +165,9 @@ def sampling_params_to_proto(sp: SamplingParams, out: common_pb2.SamplingParams)
         structured_to_proto(sp.structured, out.structured)
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams,
-                               defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+def sampling_params_from_proto(
+    msg: common_pb2.SamplingParams, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """Unset fields take ``defaults`` (the model's generation_config values,
     by SamplingParams name), then SamplingParams' own; a bad value raises
     ValueError naming the field (SamplingParams validates itself)."""
@@ -188,19 +207,34 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputP
 
 # -- configs (Initialize) -----------------------------------------------------------
 
-_CACHE_FIELDS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization", "hash_algo",
-                 "kv_load_blocks_per_step", "enable_kv_cache_events")
-_CACHE_OPTIONAL = ("num_blocks", "kv_cache_memory_bytes", "kv_offload_memory_bytes",
-                   "num_offload_blocks")
+_CACHE_FIELDS = (
+    "block_size",
+    "enable_prefix_caching",
+    "gpu_memory_utilization",
+    "hash_algo",
+    "kv_load_blocks_per_step",
+    "enable_kv_cache_events",
+)
+_CACHE_OPTIONAL = (
+    "num_blocks",
+    "kv_cache_memory_bytes",
+    "kv_offload_memory_bytes",
+    "num_offload_blocks",
+)
 # The SchedulerConfig fields worker.proto's SchedulerConfig carries as scalars
 # (the worker sizes its buffers by them; speculative_config is a message of its own).
-_SCHED_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerConfig) if f.name in {
-    d.name for d in worker_pb2.SchedulerConfig.DESCRIPTOR.fields if d.message_type is None})
+_SCHED_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SchedulerConfig)
+    if f.name
+    in {d.name for d in worker_pb2.SchedulerConfig.DESCRIPTOR.fields if d.message_type is None}
+)
 _SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
-def configs_to_proto(cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                     out: worker_pb2.InitializeRequest) -> None:
+def configs_to_proto(
+    cache_config: CacheConfig, scheduler_config: SchedulerConfig, out: worker_pb2.InitializeRequest
+) -> None:
     for name in _CACHE_FIELDS:
         setattr(out.cache_config, name, getattr(cache_config, name))
     for name in _CACHE_OPTIONAL:
@@ -216,8 +250,10 @@ def configs_to_proto(cache_config: CacheConfig, scheduler_config: SchedulerConfi
 
 def configs_from_proto(msg: worker_pb2.InitializeRequest) -> tuple[CacheConfig, SchedulerConfig]:
     cc = msg.cache_config
-    cache = CacheConfig(**{n: getattr(cc, n) for n in _CACHE_FIELDS},
-                        **{n: getattr(cc, n) if cc.HasField(n) else None for n in _CACHE_OPTIONAL})
+    cache = CacheConfig(
+        **{n: getattr(cc, n) for n in _CACHE_FIELDS},
+        **{n: getattr(cc, n) if cc.HasField(n) else None for n in _CACHE_OPTIONAL},
+    )
     sc = msg.scheduler_config
     spec = None
     if sc.HasField("speculative_config"):
@@ -288,8 +324,7 @@ def _ragged_to_proto(lists: list[list[int]], out: worker_pb2.RaggedIds) -> None:
     out.flat = _i32(list(chain.from_iterable(lists)))
 
 
-def _ragged_from_proto(msg: worker_pb2.RaggedIds, share_empty: bool = False,
-                       ) -> list[list[int]]:
+def _ragged_from_proto(msg: worker_pb2.RaggedIds, share_empty: bool = False) -> list[list[int]]:
     """``share_empty``: the empty lists of the sparse form are one shared list
     (read-only by contract): a decode step then allocates a list per request
     that got something, not per request."""
@@ -299,7 +334,7 @@ def _ragged_from_proto(msg: worker_pb2.RaggedIds, share_empty: bool = False,
         lists = [[]] * n if share_empty else list(map(list, repeat((), n)))
         start = 0
         for row, count in zip(_i32_list(msg.rows), _i32_list(msg.counts)):
-            lists[row] = flat[start:start + count]
+            lists[row] = flat[start : start + count]
             start += count
         return lists
     if not msg.counts:
@@ -322,8 +357,9 @@ def _pairs(data: bytes) -> list[tuple[int, int]]:
 
 
 def kv_event_batch_to_proto(batch: KVEventBatch) -> generate_pb2.KvEventBatch:
-    msg = generate_pb2.KvEventBatch(seq=batch.seq, snapshot=batch.snapshot,
-                                    num_dropped=batch.num_dropped)
+    msg = generate_pb2.KvEventBatch(
+        seq=batch.seq, snapshot=batch.snapshot, num_dropped=batch.num_dropped
+    )
     for e in batch.events:
         out = msg.events.add()
         if type(e) is BlockStored:
@@ -345,8 +381,9 @@ def kv_event_batch_from_proto(msg: generate_pb2.KvEventBatch) -> KVEventBatch:
         kind = e.WhichOneof("kind")
         if kind == "stored":
             s = e.stored
-            events.append(BlockStored(s.block_hash, s.parent_hash or None,
-                                      _i32_list(s.token_ids), s.tier))
+            events.append(
+                BlockStored(s.block_hash, s.parent_hash or None, _i32_list(s.token_ids), s.tier)
+            )
         elif kind == "removed":
             events.append(BlockRemoved(e.removed.block_hash, e.removed.tier))
         else:
@@ -367,6 +404,7 @@ def pooling_params_to_proto(params: PoolingParams, out: common_pb2.PoolingParams
 
 def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
     """Raises ValueError naming a bad field."""
-    return PoolingParams(msg.pooling_type if msg.HasField("pooling_type") else None,
-                         msg.normalize if msg.HasField("normalize") else None)
-
+    return PoolingParams(
+        msg.pooling_type if msg.HasField("pooling_type") else None,
+        msg.normalize if msg.HasField("normalize") else None,
+    )

@@ -10,6 +10,7 @@ packages' files of the same name in the global pool; the generated
 ``from <virtual path> import ...`` lines are then pointed at
 ``tokenbudget.proto``, where the modules live.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,15 +35,22 @@ def generate(out_dir: Path) -> list[Path]:
     written: list[Path] = []
     for virtual_dir, sources in SOURCES.items():
         with tempfile.TemporaryDirectory() as tmp:
-            args = ["grpc_tools.protoc", f"-I{virtual_dir}={PROTO_DIR}", f"-I{well_known}",
-                    f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
-                    *(f"{virtual_dir}/{s}" for s in sources)]
+            args = [
+                "grpc_tools.protoc",
+                f"-I{virtual_dir}={PROTO_DIR}",
+                f"-I{well_known}",
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                *(f"{virtual_dir}/{s}" for s in sources),
+            ]
             if protoc.main(args) != 0:
                 raise RuntimeError(f"protoc failed: {' '.join(args)}")
             package = virtual_dir.replace("/", ".")
             for path in sorted((Path(tmp) / virtual_dir).iterdir()):
-                text = path.read_text().replace(f"from {package} import",
-                                                "from tokenbudget.proto import")
+                text = path.read_text().replace(
+                    f"from {package} import", "from tokenbudget.proto import"
+                )
                 target = out_dir / path.name
                 target.write_text(text)
                 written.append(target)
@@ -51,8 +59,12 @@ def generate(out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=PROTO_DIR,
-                        help="output folder (default: the proto package itself)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=PROTO_DIR,
+        help="output folder (default: the proto package itself)",
+    )
     args = parser.parse_args(argv)
     for path in generate(args.out):
         print(path)

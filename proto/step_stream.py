@@ -6,23 +6,46 @@ across messages: requests are named by small int handles after their first
 step, and a steady decode step repeating the last one's requests and counts
 is sent as such (repeats_last_step in worker.proto). So messages must be
 decoded in the order they were encoded, one decoder per stream.
+
+This module holds the SchedulerOutput codec; the ModelRunnerOutput one is
+in proto/runner_output.py (re-exported here).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter
 
-from tokenbudget.core.failures import RequestFailure
-from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      PromptLogprobs, SchedulerOutput)
+from tokenbudget.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.proto import worker_pb2
-from tokenbudget.proto.convert import (_i32, _i32_list, _pairs, _ragged_from_proto,
-                                       _ragged_to_proto, pooling_params_from_proto,
-                                       pooling_params_to_proto, sampling_params_from_proto,
-                                       sampling_params_to_proto, tensor_from_proto,
-                                       tensor_to_proto, value_from_proto, value_to_proto)
+from tokenbudget.proto.convert import (
+    _i32,
+    _i32_list,
+    _pairs,
+    _ragged_from_proto,
+    _ragged_to_proto,
+    pooling_params_from_proto,
+    pooling_params_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+    value_from_proto,
+    value_to_proto,
+)
+
+# The ModelRunnerOutput codec lives in proto/runner_output.py; importable from here as before.
+from tokenbudget.proto.runner_output import ModelRunnerOutputDecoder, model_runner_output_to_proto
+
+__all__ = [
+    "ModelRunnerOutputDecoder",
+    "SchedulerOutputDecoder",
+    "SchedulerOutputEncoder",
+    "model_runner_output_to_proto",
+]
+
 
 def _pick(table, keys: list) -> Sequence:
     """[table[k] for k in keys], at C speed (a tuple when more than one)."""
@@ -65,23 +88,37 @@ class SchedulerOutputEncoder:
         self._last_order = list(nst) if nst else None
         return msg
 
-    def _encode_repeat(self, so: SchedulerOutput, step_id: int,
-                       ) -> worker_pb2.SchedulerOutput | None:
+    def _encode_repeat(
+        self, so: SchedulerOutput, step_id: int
+    ) -> worker_pb2.SchedulerOutput | None:
         """The message of a steady step (see repeats_last_step), or None when
         ``so`` is not one: the hot path."""
         cached = so.scheduled_cached_reqs
         nst = so.num_scheduled_tokens
-        if (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
-                or so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs
-                or so.free_encoder_mm_hashes or so.grammar_bitmask is not None
-                or so.structured_req_ids or cached.resumed_token_ids or not nst
-                or so.kv_swap_out or so.kv_swap_in
-                or cached.req_ids != self._last_order or list(nst) != cached.req_ids
-                or list(nst.values()) != self._last_counts):
+        if (
+            so.scheduled_new_reqs
+            or so.finished_req_ids
+            or so.preempted_req_ids
+            or so.scheduled_spec_decode_tokens
+            or so.scheduled_encoder_inputs
+            or so.free_encoder_mm_hashes
+            or so.grammar_bitmask is not None
+            or so.structured_req_ids
+            or cached.resumed_token_ids
+            or not nst
+            or so.kv_swap_out
+            or so.kv_swap_in
+            or cached.req_ids != self._last_order
+            or list(nst) != cached.req_ids
+            or list(nst.values()) != self._last_counts
+        ):
             return None
         msg = worker_pb2.SchedulerOutput(
-            step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-            num_common_prefix_blocks=so.num_common_prefix_blocks, repeats_last_step=True)
+            step_id=step_id,
+            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            num_common_prefix_blocks=so.num_common_prefix_blocks,
+            repeats_last_step=True,
+        )
         # Fields are set in place: nested constructor arguments would be copied.
         out = msg.scheduled_cached_reqs
         out.num_computed_tokens = _i32(cached.num_computed_tokens)
@@ -96,16 +133,16 @@ class SchedulerOutputEncoder:
 
     def _encode_full(self, so: SchedulerOutput, step_id: int) -> worker_pb2.SchedulerOutput:
         msg = worker_pb2.SchedulerOutput(
-            step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-            num_common_prefix_blocks=so.num_common_prefix_blocks)
+            step_id=step_id,
+            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            num_common_prefix_blocks=so.num_common_prefix_blocks,
+        )
         # Every field below is skipped when empty: decode steps send few.
         finished = self._retire(so.finished_req_ids, msg) if so.finished_req_ids else ()
         if so.preempted_req_ids:
             handles = self._handles
-            msg.preempted_handles = _i32([handles[r] for r in so.preempted_req_ids
-                                          if r in handles])
-            msg.preempted_unsent_req_ids.extend(r for r in so.preempted_req_ids
-                                                if r not in handles)
+            msg.preempted_handles = _i32([handles[r] for r in so.preempted_req_ids if r in handles])
+            msg.preempted_unsent_req_ids.extend(r for r in so.preempted_req_ids if r not in handles)
         if so.free_encoder_mm_hashes:
             msg.free_encoder_mm_hashes.extend(so.free_encoder_mm_hashes)
         new_ids = []
@@ -173,8 +210,10 @@ class SchedulerOutputEncoder:
         try:
             return _pick(self._handles, req_ids)
         except KeyError as exc:
-            raise ValueError(f"request {exc.args[0]!r} has no handle: it was never sent to "
-                             "the worker as a new request, or it finished") from None
+            raise ValueError(
+                f"request {exc.args[0]!r} has no handle: it was never sent to "
+                "the worker as a new request, or it finished"
+            ) from None
 
     def _id_lists_to_proto(self, d: dict[str, list[int]], out) -> None:
         for key, ids in d.items():
@@ -220,18 +259,22 @@ class SchedulerOutputDecoder:
     def _decode_repeat(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
         order = self._last_order
         if order is None:
-            raise ValueError("a step repeats the last step's requests, but the stream has "
-                             "no last step with requests")
+            raise ValueError(
+                "a step repeats the last step's requests, but the stream has "
+                "no last step with requests"
+            )
         c = msg.scheduled_cached_reqs
         return SchedulerOutput(
             scheduled_new_reqs=[],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=order,
                 new_block_ids=_ragged_from_proto(c.new_block_ids, share_empty=True),
-                num_computed_tokens=_i32_list(c.num_computed_tokens)),
+                num_computed_tokens=_i32_list(c.num_computed_tokens),
+            ),
             num_scheduled_tokens=self._last_nst,
             total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-            num_common_prefix_blocks=msg.num_common_prefix_blocks)
+            num_common_prefix_blocks=msg.num_common_prefix_blocks,
+        )
 
     def _decode_full(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
         # Fields are tested before they are converted: decode steps send few.
@@ -265,17 +308,21 @@ class SchedulerOutputDecoder:
             num_scheduled_tokens=self._num_scheduled_tokens(msg, cached.req_ids, new_reqs),
             total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
             scheduled_spec_decode_tokens=self._id_lists_from_proto(
-                msg.scheduled_spec_decode_tokens),
+                msg.scheduled_spec_decode_tokens
+            ),
             scheduled_encoder_inputs=self._id_lists_from_proto(msg.scheduled_encoder_inputs),
             num_common_prefix_blocks=msg.num_common_prefix_blocks,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
-            free_encoder_mm_hashes=(list(msg.free_encoder_mm_hashes)
-                                    if msg.free_encoder_mm_hashes else []),
-            grammar_bitmask=(tensor_from_proto(msg.grammar_bitmask)
-                             if msg.HasField("grammar_bitmask") else None),
-            structured_req_ids=(self._names(_i32_list(msg.structured_handles))
-                                if msg.structured_handles else []),
+            free_encoder_mm_hashes=(
+                list(msg.free_encoder_mm_hashes) if msg.free_encoder_mm_hashes else []
+            ),
+            grammar_bitmask=(
+                tensor_from_proto(msg.grammar_bitmask) if msg.HasField("grammar_bitmask") else None
+            ),
+            structured_req_ids=(
+                self._names(_i32_list(msg.structured_handles)) if msg.structured_handles else []
+            ),
             kv_swap_out=_pairs(msg.kv_swap_out) if msg.kv_swap_out else [],
             kv_swap_in=_pairs(msg.kv_swap_in) if msg.kv_swap_in else [],
         )
@@ -283,14 +330,17 @@ class SchedulerOutputDecoder:
             self._ids[h] = None
         return so
 
-    def _num_scheduled_tokens(self, msg: worker_pb2.SchedulerOutput, cached_ids: list[str],
-                              new_reqs: list[NewRequestData]) -> dict[str, int]:
-        key = (msg.scheduled_cached_reqs.handles, msg.scheduled_handles,
-               msg.num_scheduled_tokens)
+    def _num_scheduled_tokens(
+        self, msg: worker_pb2.SchedulerOutput, cached_ids: list[str], new_reqs: list[NewRequestData]
+    ) -> dict[str, int]:
+        key = (msg.scheduled_cached_reqs.handles, msg.scheduled_handles, msg.num_scheduled_tokens)
         if not new_reqs and key == self._last_nst_key:
             return self._last_nst
-        order = (self._names(_i32_list(msg.scheduled_handles)) if msg.scheduled_handles
-                 else cached_ids + [r.req_id for r in new_reqs])
+        order = (
+            self._names(_i32_list(msg.scheduled_handles))
+            if msg.scheduled_handles
+            else cached_ids + [r.req_id for r in new_reqs]
+        )
         nst = dict(zip(order, _i32_list(msg.num_scheduled_tokens)))
         self._last_nst_key, self._last_nst = (None if new_reqs else key), nst
         return nst
@@ -299,8 +349,9 @@ class SchedulerOutputDecoder:
         try:
             return list(_pick(self._ids, handles))
         except IndexError:
-            raise ValueError(f"a step names request handles {handles} the stream never "
-                             "announced") from None
+            raise ValueError(
+                f"a step names request handles {handles} the stream never announced"
+            ) from None
 
     def _id_lists_from_proto(self, m) -> dict[str, list[int]]:
         if not m:
@@ -312,16 +363,25 @@ class SchedulerOutputDecoder:
         if m.handle >= len(ids):
             ids.extend([None] * (m.handle + 1 - len(ids)))
         ids[m.handle] = m.req_id
-        features = [MultiModalFeature(f.mm_hash, f.offset, f.length, value_from_proto(f.data))
-                    for f in m.mm_features]
+        features = [
+            MultiModalFeature(f.mm_hash, f.offset, f.length, value_from_proto(f.data))
+            for f in m.mm_features
+        ]
         return NewRequestData(
-            req_id=m.req_id, prompt_token_ids=_i32_list(m.prompt_token_ids),
-            mm_features=features, sampling_params=sampling_params_from_proto(m.sampling_params),
-            block_ids=_i32_list(m.block_ids), num_computed_tokens=m.num_computed_tokens,
+            req_id=m.req_id,
+            prompt_token_ids=_i32_list(m.prompt_token_ids),
+            mm_features=features,
+            sampling_params=sampling_params_from_proto(m.sampling_params),
+            block_ids=_i32_list(m.block_ids),
+            num_computed_tokens=m.num_computed_tokens,
             lora_id=m.lora_id if m.HasField("lora_id") else None,
             eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None,
-            pooling_params=(pooling_params_from_proto(m.pooling_params)
-                            if m.HasField("pooling_params") else None))
+            pooling_params=(
+                pooling_params_from_proto(m.pooling_params)
+                if m.HasField("pooling_params")
+                else None
+            ),
+        )
 
 
 def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewRequest) -> None:
@@ -340,82 +400,3 @@ def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewReq
         out.eos_token_id = r.eos_token_id
     if r.pooling_params is not None:
         pooling_params_to_proto(r.pooling_params, out.pooling_params)
-
-
-# -- ModelRunnerOutput ------------------------------------------------------------------
-
-
-def model_runner_output_to_proto(out: ModelRunnerOutput, step_id: int = 0,
-                                 scheduled_req_ids: list[str] | None = None,
-                                 ) -> worker_pb2.ModelRunnerOutput:
-    """``scheduled_req_ids``: the step's order (list(num_scheduled_tokens));
-    rows in that order are sent without their ids."""
-    msg = worker_pb2.ModelRunnerOutput(step_id=step_id)
-    if out.req_ids != scheduled_req_ids:
-        msg.req_ids.extend(out.req_ids)
-    _ragged_to_proto(out.sampled_token_ids, msg.sampled_token_ids)
-    if out.logprobs is not None:
-        msg.has_logprobs = True
-        for per_req in out.logprobs:
-            rl = msg.logprobs.add(present=per_req is not None)
-            for per_token in per_req or ():
-                rl.tokens.add(token_ids=per_token.keys(), logprobs=per_token.values())
-    if out.pooler_output is not None:
-        msg.has_pooler_output = True
-        for v in out.pooler_output:
-            value_to_proto(v, msg.pooler_output.add())
-    if out.spec_token_ids is not None:
-        msg.has_spec_token_ids = True
-        _ragged_to_proto(out.spec_token_ids, msg.spec_token_ids)
-    for rid, plp in (out.prompt_logprobs or {}).items():
-        entry = msg.prompt_logprobs.add(req_id=rid, start=plp.start)
-        for per_token in plp.entries:
-            entry.entries.add(token_ids=per_token.keys(), logprobs=per_token.values())
-    for rid, failure in (out.failed or {}).items():
-        msg.failed[rid].message = failure.message
-        msg.failed[rid].invalid_argument = failure.invalid_argument
-    return msg
-
-
-class ModelRunnerOutputDecoder:
-    """Engine side: protobuf -> ModelRunnerOutput. Steady decode steps repeat
-    the last step's rows, so they get the last step's req_id_to_index dict
-    again (read-only, like the whole output), not a new one."""
-
-    def __init__(self) -> None:
-        self._last_req_ids: list[str] = []
-        self._last_index: dict[str, int] = {}
-
-    def decode(self, msg: worker_pb2.ModelRunnerOutput,
-               scheduled_req_ids: list[str] | None = None) -> ModelRunnerOutput:
-        """``scheduled_req_ids`` must be what the sender was given (see
-        model_runner_output_to_proto); the output's req_ids is that list."""
-        req_ids = list(msg.req_ids)
-        if not req_ids and msg.sampled_token_ids.num_lists:
-            if scheduled_req_ids is None:
-                raise ValueError("this ModelRunnerOutput omits its req_ids: pass the step's "
-                                 "scheduled_req_ids")
-            req_ids = scheduled_req_ids
-        if req_ids != self._last_req_ids:
-            self._last_req_ids = list(req_ids)  # the caller's list may change later
-            self._last_index = dict(zip(req_ids, range(len(req_ids))))
-        logprobs = None
-        if msg.has_logprobs:
-            logprobs = [[dict(zip(t.token_ids, t.logprobs)) for t in rl.tokens] if rl.present
-                        else None for rl in msg.logprobs]
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index=self._last_index,
-            sampled_token_ids=_ragged_from_proto(msg.sampled_token_ids),
-            logprobs=logprobs,
-            pooler_output=([value_from_proto(v) for v in msg.pooler_output]
-                           if msg.has_pooler_output else None),
-            spec_token_ids=(_ragged_from_proto(msg.spec_token_ids)
-                            if msg.has_spec_token_ids else None),
-            prompt_logprobs={
-                p.req_id: PromptLogprobs(p.start, [dict(zip(t.token_ids, t.logprobs))
-                                                   for t in p.entries])
-                for p in msg.prompt_logprobs} or None,
-            failed={rid: RequestFailure(f.message, f.invalid_argument)
-                    for rid, f in msg.failed.items()} or None,
-        )

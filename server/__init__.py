@@ -4,6 +4,7 @@ output processing) < ``sim``, ``entrypoints`` (``LLM``, gRPC services, CLI, clie
 
 The names below load on first use, so importing a lower layer (say
 ``tokenbudget.server.executor``) does not import the entry points."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """``python -m tokenbudget.server``: the ``server`` command (see server/entrypoints/cli.py)."""
+
 from tokenbudget.server.entrypoints.cli import main
 
 main()

@@ -1,4 +1,5 @@
 """Shared test setup: one torch thread (a busy 2-core box is 10-20x slower with more)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,9 @@ def hf_model(tiny_qwen3_path):
     """The transformers oracle for tiny_qwen3_path."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_qwen3_path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
 
 @pytest.fixture(scope="session")

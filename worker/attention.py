@@ -16,6 +16,7 @@ passes unknown ``**kwargs`` from the model forward down to attention functions.
 KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (K then V), the layout flash-attn's ``block_table`` argument reads directly.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -55,11 +56,17 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype) -> str | None:
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(5, 2, 16, generator=gen).to(device, dtype) for _ in range(3))
         cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
-        got = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3,
-                                     max_seqlen_k=3, causal=True)
-        want = torch.cat([F.scaled_dot_product_attention(
-            *(t[a:b].transpose(0, 1).float() for t in (q, k, v)), is_causal=True).transpose(0, 1)
-            for a, b in ((0, 2), (2, 5))])
+        got = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3, causal=True
+        )
+        want = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1).float() for t in (q, k, v)), is_causal=True
+                ).transpose(0, 1)
+                for a, b in ((0, 2), (2, 5))
+            ]
+        )
         if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
             return "flash_attn's self-check gave a wrong result (a build for another GPU?)"
     except Exception as exc:
@@ -77,10 +84,12 @@ def flash_block_size_warning(backend: str, block_size: int) -> str | None:
     warning tells users where the choice lies."""
     if backend != "flash_attn" or block_size % _FLASH_PAGE_MULTIPLE == 0:
         return None
-    return (f"flash-attn reads the paged KV cache in place only with --block-size a multiple "
-            f"of {_FLASH_PAGE_MULTIPLE}; with {block_size} each layer gathers every "
-            f"request's context first. --block-size {_FLASH_PAGE_MULTIPLE} avoids the copy "
-            f"but caches prefixes only in {_FLASH_PAGE_MULTIPLE}-token blocks")
+    return (
+        f"flash-attn reads the paged KV cache in place only with --block-size a multiple "
+        f"of {_FLASH_PAGE_MULTIPLE}; with {block_size} each layer gathers every "
+        f"request's context first. --block-size {_FLASH_PAGE_MULTIPLE} avoids the copy "
+        f"but caches prefixes only in {_FLASH_PAGE_MULTIPLE}-token blocks"
+    )
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -95,13 +104,17 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         if name == "auto":
             return "sdpa"
-        raise ValueError("attention_backend='flash_attn' needs a CUDA device and dtype float16 "
-                         "or bfloat16; use 'sdpa' or 'auto'")
+        raise ValueError(
+            "attention_backend='flash_attn' needs a CUDA device and dtype float16 "
+            "or bfloat16; use 'sdpa' or 'auto'"
+        )
     if not flash_attn_available():
         if name == "auto":
             return "sdpa"
-        raise ValueError("attention_backend='flash_attn' needs the flash-attn package (pip "
-                         "install tokenbudget[gpu]); use 'sdpa' or 'auto'")
+        raise ValueError(
+            "attention_backend='flash_attn' needs the flash-attn package (pip "
+            "install tokenbudget[gpu]); use 'sdpa' or 'auto'"
+        )
     problem = flash_attn_problem(device, dtype)
     if problem is None:
         return "flash_attn"
@@ -111,16 +124,26 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return "sdpa"
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
     # Zeros, not empty: padded reads of unused slots are masked out, but a NaN
     # there would still poison the softmax (0 * NaN).
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                        device=device) for _ in range(num_layers)]
+    return [
+        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        for _ in range(num_layers)
+    ]
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -129,9 +152,9 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
 class DecodeGroup:
     """Requests with one query token, attended in one padded SDPA call."""
 
-    query_idx: torch.Tensor   # [Bd] token index in the packed sequence
-    block_ids: torch.Tensor   # [Bd, max_blocks] block table, padded with the null block 0
-    kv_mask: torch.Tensor     # [Bd, 1, 1, max_blocks * block_size] True where a key is real
+    query_idx: torch.Tensor  # [Bd] token index in the packed sequence
+    block_ids: torch.Tensor  # [Bd, max_blocks] block table, padded with the null block 0
+    kv_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] True where a key is real
 
 
 @dataclass(slots=True)
@@ -141,7 +164,7 @@ class PrefillSeq:
     q_start: int
     q_end: int
     seq_len: int
-    block_ids: torch.Tensor   # [ceil(seq_len / block_size)]
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)]
     mask: torch.Tensor | None  # [q, seq_len] causal mask, None when q == seq_len (is_causal)
 
 
@@ -152,10 +175,10 @@ class PagedAttentionMetadata:
     backend: str
     kv_caches: list[torch.Tensor]
     block_size: int
-    slot_mapping: torch.Tensor      # [T] long
-    query_start_loc: torch.Tensor   # [B+1] int32 (cu_seqlens_q)
-    seq_start_loc: torch.Tensor     # [B+1] int32 (cu_seqlens_k)
-    block_tables: torch.Tensor      # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] long
+    query_start_loc: torch.Tensor  # [B+1] int32 (cu_seqlens_q)
+    seq_start_loc: torch.Tensor  # [B+1] int32 (cu_seqlens_k)
+    block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
     # sdpa: decodes in a few padded groups of similar length, longer queries one by one.
@@ -165,28 +188,60 @@ class PagedAttentionMetadata:
     packed_kv_slots: torch.Tensor | None = None
 
 
-def build_metadata(backend: str, kv_caches: list[torch.Tensor], block_size: int,
-                   query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                   slot_mapping: np.ndarray, device: torch.device) -> PagedAttentionMetadata:
+def build_metadata(
+    backend: str,
+    kv_caches: list[torch.Tensor],
+    block_size: int,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    slot_mapping: np.ndarray,
+    device: torch.device,
+) -> PagedAttentionMetadata:
     """Host-side, vectorised: ``block_tables`` holds one row per scheduled request."""
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start[1:])
     seq_start = np.zeros(len(seq_lens) + 1, dtype=np.int32)
     np.cumsum(seq_lens, out=seq_start[1:])
-    to_dev = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt,
-                                                                         non_blocking=True)
+
+    def to_dev(a, dt):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(
+            device=device, dtype=dt, non_blocking=True
+        )
+
     meta = PagedAttentionMetadata(
-        backend=backend, kv_caches=kv_caches, block_size=block_size,
+        backend=backend,
+        kv_caches=kv_caches,
+        block_size=block_size,
         slot_mapping=to_dev(slot_mapping, torch.long),
         query_start_loc=to_dev(query_start, torch.int32),
         seq_start_loc=to_dev(seq_start, torch.int32),
         block_tables=to_dev(block_tables, torch.int32),
-        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
     if backend == "flash_attn":
         if block_size % _FLASH_PAGE_MULTIPLE:
-            meta.packed_kv_slots = to_dev(_context_slots(block_tables, seq_lens, block_size),
-                                          torch.long)
+            meta.packed_kv_slots = to_dev(
+                _context_slots(block_tables, seq_lens, block_size), torch.long
+            )
         return meta
+    meta.decodes, meta.prefills = _sdpa_plan(
+        query_lens, query_start, seq_lens, block_tables, block_size, device, to_dev
+    )
+    return meta
+
+
+def _sdpa_plan(
+    query_lens: np.ndarray,
+    query_start: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    device: torch.device,
+    to_dev,
+) -> tuple[tuple[DecodeGroup, ...], tuple[PrefillSeq, ...]]:
+    """sdpa's (decodes, prefills): PagedAttentionMetadata's fields of that name."""
     # Reads gather whole blocks (index_select over contiguous block rows), far
     # cheaper on CPU than gathering token by token.
     num_blocks = -(-seq_lens // block_size)
@@ -196,9 +251,15 @@ def build_metadata(backend: str, kv_caches: list[torch.Tensor], block_size: int,
     # ~1/2 to ~1/8 of the attention work for uniformly spread lengths.
     decode_idx = decode_idx[np.argsort(seq_lens[decode_idx], kind="stable")]
     num_groups = min(_MAX_DECODE_GROUPS, -(-len(decode_idx) // _MIN_DECODE_GROUP))
-    meta.decodes = tuple(
-        _decode_group(idx, query_start, seq_lens, num_blocks, block_tables, block_size, to_dev)
-        for idx in np.array_split(decode_idx, num_groups) if len(idx)) if num_groups else ()
+    decodes = (
+        tuple(
+            _decode_group(idx, query_start, seq_lens, num_blocks, block_tables, block_size, to_dev)
+            for idx in np.array_split(decode_idx, num_groups)
+            if len(idx)
+        )
+        if num_groups
+        else ()
+    )
     prefills = []
     for i in np.flatnonzero(~is_decode):
         q, L = int(query_lens[i]), int(seq_lens[i])
@@ -206,20 +267,34 @@ def build_metadata(backend: str, kv_caches: list[torch.Tensor], block_size: int,
         if q != L:
             # Query j sits at absolute position L - q + j and sees keys 0..L-q+j.
             mask = torch.ones(q, L, dtype=torch.bool, device=device).tril(L - q)
-        prefills.append(PrefillSeq(int(query_start[i]), int(query_start[i + 1]), L,
-                                   to_dev(block_tables[i, :num_blocks[i]], torch.long), mask))
-    meta.prefills = tuple(prefills)
-    return meta
+        prefills.append(
+            PrefillSeq(
+                int(query_start[i]),
+                int(query_start[i + 1]),
+                L,
+                to_dev(block_tables[i, : num_blocks[i]], torch.long),
+                mask,
+            )
+        )
+    return decodes, tuple(prefills)
 
 
-def _decode_group(idx: np.ndarray, query_start: np.ndarray, seq_lens: np.ndarray,
-                  num_blocks: np.ndarray, block_tables: np.ndarray, block_size: int,
-                  to_dev) -> DecodeGroup:
+def _decode_group(
+    idx: np.ndarray,
+    query_start: np.ndarray,
+    seq_lens: np.ndarray,
+    num_blocks: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    to_dev,
+) -> DecodeGroup:
     max_blocks = int(num_blocks[idx].max())
     valid = np.arange(max_blocks * block_size)[None, :] < seq_lens[idx, None]
-    return DecodeGroup(to_dev(query_start[idx], torch.long),
-                       to_dev(block_tables[idx, :max_blocks], torch.long),
-                       to_dev(valid[:, None, None, :], torch.bool))
+    return DecodeGroup(
+        to_dev(query_start[idx], torch.long),
+        to_dev(block_tables[idx, :max_blocks], torch.long),
+        to_dev(valid[:, None, None, :], torch.bool),
+    )
 
 
 def _context_slots(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
@@ -230,27 +305,39 @@ def _context_slots(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: i
     return block_tables[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float | None = None, dropout: float = 0.0,
-                            paged_attn: PagedAttentionMetadata | None = None, **kwargs):
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_attn: PagedAttentionMetadata | None = None,
+    **kwargs,
+):
     """The AttentionInterface entry point: query [1, H, T, D], key/value [1, Hkv, T, D]."""
     if paged_attn is None:
-        raise RuntimeError(f"{PAGED_ATTENTION} attention needs the 'paged_attn' forward kwarg; "
-                           "run this model through tokenbudget's ModelRunner")
+        raise RuntimeError(
+            f"{PAGED_ATTENTION} attention needs the 'paged_attn' forward kwarg; "
+            "run this model through tokenbudget's ModelRunner"
+        )
     meta = paged_attn
     window = kwargs.get("sliding_window")
     # Within its window a sliding-window layer attends to everything, which is
     # what we compute; the front caps max_model_len at the window (loader.sliding_window).
     if window and meta.max_seq_len > window:
-        raise NotImplementedError(f"a sequence of {meta.max_seq_len} tokens exceeds the "
-                                  f"model's sliding window ({window}); set max_model_len <= "
-                                  f"{window}")
+        raise NotImplementedError(
+            f"a sequence of {meta.max_seq_len} tokens exceeds the "
+            f"model's sliding window ({window}); set max_model_len <= "
+            f"{window}"
+        )
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention soft-capping and attention sinks are not "
-                                  "supported by the paged backend")
-    q = query[0].transpose(0, 1)          # [T, H, D]
-    k = key[0].transpose(0, 1)            # [T, Hkv, D]
+        raise NotImplementedError(
+            "attention soft-capping and attention sinks are not supported by the paged backend"
+        )
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     cache = meta.kv_caches[module.layer_idx]
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape[1:]
@@ -264,10 +351,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.unsqueeze(0), None
 
 
-def _sdpa_attention(q: torch.Tensor, cache: torch.Tensor, meta: PagedAttentionMetadata,
-                    scale: float | None) -> torch.Tensor:
+def _sdpa_attention(
+    q: torch.Tensor, cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float | None
+) -> torch.Tensor:
     """The reference backend: gather each request's blocks, then torch SDPA."""
-    k_cache, v_cache = cache[0], cache[1]     # [num_blocks, block_size, Hkv, D]
+    k_cache, v_cache = cache[0], cache[1]  # [num_blocks, block_size, Hkv, D]
     num_kv_heads, head_dim = k_cache.shape[2:]
     out = torch.empty_like(q)
     for d in meta.decodes:
@@ -275,34 +363,56 @@ def _sdpa_attention(q: torch.Tensor, cache: torch.Tensor, meta: PagedAttentionMe
         blocks = d.block_ids.flatten()
         kd = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
         vd = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
-        qd = q.index_select(0, d.query_idx).unsqueeze(2)        # [Bd, H, 1, D]
-        res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                             attn_mask=d.kv_mask, scale=scale, enable_gqa=True)
+        qd = q.index_select(0, d.query_idx).unsqueeze(2)  # [Bd, H, 1, D]
+        res = F.scaled_dot_product_attention(
+            qd,
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            attn_mask=d.kv_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
         out.index_copy_(0, d.query_idx, res.squeeze(2))
     for p in meta.prefills:
-        kp = k_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[:p.seq_len]
-        vp = v_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[:p.seq_len]
-        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
-        res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
-                                             vp.transpose(0, 1).unsqueeze(0), attn_mask=p.mask,
-                                             scale=scale, is_causal=p.mask is None,
-                                             enable_gqa=True)
-        out[p.q_start:p.q_end] = res[0].transpose(0, 1)
+        kp = k_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[: p.seq_len]
+        vp = v_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[: p.seq_len]
+        qp = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        res = F.scaled_dot_product_attention(
+            qp,
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask,
+            scale=scale,
+            is_causal=p.mask is None,
+            enable_gqa=True,
+        )
+        out[p.q_start : p.q_end] = res[0].transpose(0, 1)
     return out
 
 
-def _flash_attention(q: torch.Tensor, cache: torch.Tensor, flat: torch.Tensor,
-                     meta: PagedAttentionMetadata, scale: float | None) -> torch.Tensor:
+def _flash_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    flat: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float | None,
+) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
-    common = dict(cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.seq_start_loc,
-                  max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
-                  softmax_scale=scale, causal=True)
+    common = dict(
+        cu_seqlens_q=meta.query_start_loc,
+        cu_seqlens_k=meta.seq_start_loc,
+        max_seqlen_q=meta.max_query_len,
+        max_seqlen_k=meta.max_seq_len,
+        softmax_scale=scale,
+        causal=True,
+    )
     # flash-attn's causal mask is aligned bottom-right (the last query sees the
     # last key), which is exactly a chunk continuing its cached context.
     if meta.packed_kv_slots is None:
-        return flash_attn_varlen_func(q, cache[0], cache[1], block_table=meta.block_tables,
-                                      **common)
+        return flash_attn_varlen_func(
+            q, cache[0], cache[1], block_table=meta.block_tables, **common
+        )
     k = flat[0].index_select(0, meta.packed_kv_slots)
     v = flat[1].index_select(0, meta.packed_kv_slots)
     return flash_attn_varlen_func(q, k, v, **common)

@@ -17,6 +17,7 @@ A failure that every request of a step (two or more) shares is not
 attributable to a request (a broken model, a device error): it is raised
 as the step's error, as are the ``fatal`` exception types (out of memory).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,15 +33,17 @@ class StepPart:
     """What a run over some of the step's requests produced, not yet committed."""
 
     req_ids: list[str]
-    sampled: list[list[int]]                      # per request, in req_ids order
+    sampled: list[list[int]]  # per request, in req_ids order
     logprobs: list[list[dict[int, float]] | None] | None
     prompt_logprobs: dict[str, Any] | None
-    pooler_output: list[Any] | None = None        # per request, in req_ids order
+    pooler_output: list[Any] | None = None  # per request, in req_ids order
 
 
-def run_isolating(run: Callable[[list[str]], StepPart], req_ids: list[str],
-                  fatal: tuple[type[BaseException], ...] = (MemoryError,),
-                  ) -> tuple[list[StepPart], dict[str, RequestFailure]]:
+def run_isolating(
+    run: Callable[[list[str]], StepPart],
+    req_ids: list[str],
+    fatal: tuple[type[BaseException], ...] = (MemoryError,),
+) -> tuple[list[StepPart], dict[str, RequestFailure]]:
     """``run(req_ids)`` over every request, else over the parts that succeed;
     returns the parts and the failure of each request that failed alone."""
     if not req_ids:
@@ -63,8 +66,13 @@ def run_isolating(run: Callable[[list[str]], StepPart], req_ids: list[str],
     return parts, failed
 
 
-def _bisect(run: Callable[[list[str]], StepPart], req_ids: list[str], parts: list[StepPart],
-            failed: dict[str, RequestFailure], fatal: tuple[type[BaseException], ...]) -> None:
+def _bisect(
+    run: Callable[[list[str]], StepPart],
+    req_ids: list[str],
+    parts: list[StepPart],
+    failed: dict[str, RequestFailure],
+    fatal: tuple[type[BaseException], ...],
+) -> None:
     try:
         parts.append(run(req_ids))
         return
@@ -79,16 +87,22 @@ def _bisect(run: Callable[[list[str]], StepPart], req_ids: list[str], parts: lis
         _bisect(run, half, parts, failed, fatal)
 
 
-def merge_parts(req_ids: list[str], parts: list[StepPart],
-                failed: dict[str, RequestFailure]) -> ModelRunnerOutput:
+def merge_parts(
+    req_ids: list[str], parts: list[StepPart], failed: dict[str, RequestFailure]
+) -> ModelRunnerOutput:
     """The step's reply in scheduled order: each part's results at their
     requests' rows, empty rows for the failed ones."""
     index = {r: i for i, r in enumerate(req_ids)}
     if len(parts) == 1 and not failed:  # the usual case: one run did the whole step
         part = parts[0]
-        return ModelRunnerOutput(req_ids, index, part.sampled, part.logprobs,
-                                 pooler_output=part.pooler_output,
-                                 prompt_logprobs=part.prompt_logprobs)
+        return ModelRunnerOutput(
+            req_ids,
+            index,
+            part.sampled,
+            part.logprobs,
+            pooler_output=part.pooler_output,
+            prompt_logprobs=part.prompt_logprobs,
+        )
     sampled: list[list[int]] = [[] for _ in req_ids]
     logprobs: list | None = None
     pooled: list | None = None
@@ -106,5 +120,12 @@ def merge_parts(req_ids: list[str], parts: list[StepPart],
                 pooled[index[rid]] = part.pooler_output[k]
         if part.prompt_logprobs:
             prompt_logprobs = {**(prompt_logprobs or {}), **part.prompt_logprobs}
-    return ModelRunnerOutput(req_ids, index, sampled, logprobs, pooler_output=pooled,
-                             prompt_logprobs=prompt_logprobs, failed=failed or None)
+    return ModelRunnerOutput(
+        req_ids,
+        index,
+        sampled,
+        logprobs,
+        pooler_output=pooled,
+        prompt_logprobs=prompt_logprobs,
+        failed=failed or None,
+    )

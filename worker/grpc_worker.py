@@ -12,6 +12,7 @@ worker) waits for the step in progress, then replaces the model and KV cache;
 streams opened before it stop at their next step, so a step the server
 abandoned can never touch the new state.
 """
+
 from __future__ import annotations
 
 import gc
@@ -35,10 +36,15 @@ logger = logging.getLogger(__name__)
 
 _END = object()
 
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, stop_event: threading.Event | None = None, *,
-                 gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
-                 worker_factory: Callable[[str, str, str, str], Any] | None = None) -> None:
+    def __init__(
+        self,
+        stop_event: threading.Event | None = None,
+        *,
+        gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
+        worker_factory: Callable[[str, str, str, str], Any] | None = None,
+    ) -> None:
         """``worker_factory(model, dtype, device, attention_backend)`` builds the
         worker on Initialize (default: a Worker; tensor-parallel rank 0 passes
         one that drives its group)."""
@@ -64,17 +70,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.worker = None
                 # The old model was frozen: unfreeze so its cycles can be collected.
                 gc.unfreeze()
-            logger.info("loading %s (dtype=%s, device=%s)", request.model,
-                        request.dtype or "auto", request.device or "default")
-            self.worker = self._worker_factory(request.model, request.dtype or "auto",
-                                               request.device, request.attention_backend or "auto")
+            logger.info(
+                "loading %s (dtype=%s, device=%s)",
+                request.model,
+                request.dtype or "auto",
+                request.device or "default",
+            )
+            self.worker = self._worker_factory(
+                request.model,
+                request.dtype or "auto",
+                request.device,
+                request.attention_backend or "auto",
+            )
             spec = self.worker.initialize(cache_config, scheduler_config)
             policy = configure_gc(self._gc_threshold)
         logger.info("KV cache: %d blocks of %d tokens", spec.num_blocks, cache_config.block_size)
-        logger.info("gc: froze %d objects after loading; thresholds %s", policy.frozen,
-                    policy.thresholds)
-        return worker_pb2.InitializeResponse(num_blocks=spec.num_blocks,
-                                             num_offload_blocks=spec.num_offload_blocks)
+        logger.info(
+            "gc: froze %d objects after loading; thresholds %s", policy.frozen, policy.thresholds
+        )
+        return worker_pb2.InitializeResponse(
+            num_blocks=spec.num_blocks, num_offload_blocks=spec.num_offload_blocks
+        )
 
     def ExecuteModel(self, request_iterator, context):
         with self._step_lock:
@@ -82,8 +98,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if worker is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "call Initialize first")
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_decode_into, args=(request_iterator, inbox), daemon=True,
-                         name="tokenbudget-worker-decode").start()
+        threading.Thread(
+            target=_decode_into,
+            args=(request_iterator, inbox),
+            daemon=True,
+            name="tokenbudget-worker-decode",
+        ).start()
         while (item := inbox.get()) is not _END:
             step_id, so = item
             start = time.perf_counter()
@@ -101,17 +121,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except Exception as exc:  # reported to the engine, which fails the step
                 # The traceback stays in this log: the message reaches clients.
                 logger.exception("step %d failed", step_id)
-                yield worker_pb2.ModelRunnerOutput(step_id=step_id,
-                                                   error=describe(exc).message)
+                yield worker_pb2.ModelRunnerOutput(step_id=step_id, error=describe(exc).message)
                 return
-            yield step_stream.model_runner_output_to_proto(out, step_id,
-                                                           list(so.num_scheduled_tokens))
+            yield step_stream.model_runner_output_to_proto(
+                out, step_id, list(so.num_scheduled_tokens)
+            )
 
     def Health(self, request, context):
         wall = 0.0 if self._first_step is None else time.perf_counter() - self._first_step
         return worker_pb2.HealthResponse(
-            healthy=True, detail="ready" if self.worker else "not initialized",
-            num_steps=self._num_steps, busy_seconds=self._busy, wall_seconds=wall)
+            healthy=True,
+            detail="ready" if self.worker else "not initialized",
+            num_steps=self._num_steps,
+            busy_seconds=self._busy,
+            wall_seconds=wall,
+        )
 
     def Shutdown(self, request, context):
         self._stop_event.set()
@@ -140,11 +164,16 @@ def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
         inbox.put(_END)
 
 
-def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
-          gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
-          secret: str | None = None,
-          worker_factory: Callable[[str, str, str, str], Any] | None = None,
-          stop_event: threading.Event | None = None) -> tuple[grpc.Server, int, threading.Event]:
+def serve(
+    host: str,
+    port: int,
+    *,
+    max_message_size: int = 256 << 20,
+    gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
+    secret: str | None = None,
+    worker_factory: Callable[[str, str, str, str], Any] | None = None,
+    stop_event: threading.Event | None = None,
+) -> tuple[grpc.Server, int, threading.Event]:
     """Start a worker server; returns (server, bound port, stop event).
     ``gc_threshold`` is generation 0's collector threshold once a model is
     loaded; with a ``secret`` every call must present it (proto/rpc/auth.py)."""
@@ -152,12 +181,18 @@ def serve(host: str, port: int, *, max_message_size: int = 256 << 20,
         raise ValueError(f"gc_threshold must be >= 1, got {gc_threshold}")
     stop = stop_event or threading.Event()
     interceptors = [WorkerSecretInterceptor(secret)] if secret else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors,
-                         options=[
-        ("grpc.max_send_message_length", max_message_size),
-        ("grpc.max_receive_message_length", max_message_size), NO_PORT_REUSE])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", max_message_size),
+            ("grpc.max_receive_message_length", max_message_size),
+            NO_PORT_REUSE,
+        ],
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(stop, gc_threshold=gc_threshold, worker_factory=worker_factory), server)
+        WorkerServicer(stop, gc_threshold=gc_threshold, worker_factory=worker_factory), server
+    )
     bound = bind_port(server, host, port)
     server.start()
     return server, bound, stop

@@ -6,6 +6,7 @@ whole batch instead of a Python loop per token. A row belongs to a request
 while it holds KV blocks; a preempted request gives its row back but keeps its
 ``RequestState`` (sampling generator, multimodal data) for when it resumes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,13 +24,13 @@ class StepInputs:
     scheduled order: built by ModelRunner._prepare from the batch rows."""
 
     req_ids: list[str]
-    rows: np.ndarray          # [B] batch rows
-    query_lens: np.ndarray    # [B]
-    starts: np.ndarray        # [B] num_computed_tokens
-    num_drafts: np.ndarray    # [B]
-    positions: np.ndarray     # [T]
-    input_ids: np.ndarray     # [T]
-    samples: np.ndarray       # [B] bool: this request samples this step
+    rows: np.ndarray  # [B] batch rows
+    query_lens: np.ndarray  # [B]
+    starts: np.ndarray  # [B] num_computed_tokens
+    num_drafts: np.ndarray  # [B]
+    positions: np.ndarray  # [T]
+    input_ids: np.ndarray  # [T]
+    samples: np.ndarray  # [B] bool: this request samples this step
 
 
 @dataclass(slots=True)
@@ -39,13 +40,13 @@ class RequestState:
     req_id: str
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    generator: Any = None                     # torch.Generator for seeded sampling
+    generator: Any = None  # torch.Generator for seeded sampling
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     # M-RoPE (VL models): positions [3, num_prompt_tokens] and the decode offset.
     mrope_positions: Any = None
     mrope_delta: int = 0
-    row: int | None = None                    # None while preempted
-    eos_token_id: int | None = None           # masked while below min_tokens
+    row: int | None = None  # None while preempted
+    eos_token_id: int | None = None  # masked while below min_tokens
 
 
 @dataclass(slots=True)
@@ -54,15 +55,15 @@ class TokenHistory:
     ``token_ids[rows[j], :num_tokens[j]]``, whose first ``num_prompt_tokens[j]`` are its
     prompt and the rest its output."""
 
-    token_ids: np.ndarray          # [capacity, max_len] the batch's own array (read only)
-    rows: np.ndarray               # [n] batch row of each sampled row
+    token_ids: np.ndarray  # [capacity, max_len] the batch's own array (read only)
+    rows: np.ndarray  # [n] batch row of each sampled row
     num_prompt_tokens: np.ndarray  # [n]
-    num_tokens: np.ndarray         # [n]
+    num_tokens: np.ndarray  # [n]
 
     def output(self, j: int) -> np.ndarray:
         """Row j's output tokens (a view)."""
         row = self.rows[j]
-        return self.token_ids[row, self.num_prompt_tokens[j]:self.num_tokens[j]]
+        return self.token_ids[row, self.num_prompt_tokens[j] : self.num_tokens[j]]
 
 
 class InputBatch:
@@ -87,7 +88,9 @@ class InputBatch:
         row = self._free_rows.pop()
         n = len(token_ids)
         if n > self.max_model_len:
-            raise ValueError(f"request has {n} tokens, more than max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request has {n} tokens, more than max_model_len={self.max_model_len}"
+            )
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
         self.num_blocks[row] = 0
@@ -111,12 +114,13 @@ class InputBatch:
         n = int(self.num_tokens[row])
         # Tokens past max_model_len can be sampled only to be discarded by the
         # scheduler's length check; nothing will ever read them as inputs.
-        keep = token_ids[:max(self.max_model_len - n, 0)]
-        self.token_ids[row, n:n + len(keep)] = keep
+        keep = token_ids[: max(self.max_model_len - n, 0)]
+        self.token_ids[row, n : n + len(keep)] = keep
         self.num_tokens[row] = n + len(token_ids)
 
-    def history(self, rows: np.ndarray, num_prompt_tokens: np.ndarray,
-                num_drafts_seen: np.ndarray) -> TokenHistory:
+    def history(
+        self, rows: np.ndarray, num_prompt_tokens: np.ndarray, num_drafts_seen: np.ndarray
+    ) -> TokenHistory:
         """What sampled rows of `rows` have seen. A row verifying drafts has seen the first
         `num_drafts_seen` of them as output: they sit right after the row's known tokens."""
         # Clipped like append_tokens: tokens past max_model_len were never stored.

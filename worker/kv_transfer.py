@@ -6,6 +6,7 @@ in host memory (pinned on CUDA, so device copies can be asynchronous). Every
 copy is issued on the device's current stream, the one the forward runs on:
 swap-outs, then swap-ins, then the forward, in stream order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,11 @@ def num_offload_slots(cache_config: CacheConfig, bytes_per_block: int) -> int:
     if cache_config.kv_offload_memory_bytes:
         n = cache_config.kv_offload_memory_bytes // bytes_per_block
         if n < 1:
-            raise ValueError(f"kv_offload_memory={cache_config.kv_offload_memory_bytes} bytes "
-                             f"holds no KV block of {bytes_per_block} bytes; raise it or "
-                             "leave it unset")
+            raise ValueError(
+                f"kv_offload_memory={cache_config.kv_offload_memory_bytes} bytes "
+                f"holds no KV block of {bytes_per_block} bytes; raise it or "
+                "leave it unset"
+            )
         return n
     return 0
 
@@ -31,15 +34,24 @@ def num_offload_slots(cache_config: CacheConfig, bytes_per_block: int) -> int:
 class HostKVCache:
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
         if num_slots < 1:
-            raise ValueError(f"the host KV tier needs at least one block, got {num_slots}; "
-                             "raise kv_offload_memory")
+            raise ValueError(
+                f"the host KV tier needs at least one block, got {num_slots}; "
+                "raise kv_offload_memory"
+            )
         self.kv_caches = kv_caches
         _, _, block_size, num_kv_heads, head_dim = kv_caches[0].shape
         device = kv_caches[0].device
         self.device = device
-        self.tensor = torch.zeros(len(kv_caches), 2, num_slots, block_size, num_kv_heads,
-                                  head_dim, dtype=kv_caches[0].dtype,
-                                  pin_memory=device.type == "cuda")
+        self.tensor = torch.zeros(
+            len(kv_caches),
+            2,
+            num_slots,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=kv_caches[0].dtype,
+            pin_memory=device.type == "cuda",
+        )
 
     @property
     def num_slots(self) -> int:

@@ -1,4 +1,5 @@
 """Load a Hugging Face checkpoint with transformers, wired to our paged attention."""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,13 @@ import torch
 from tokenbudget.worker.attention import PAGED_ATTENTION, register_paged_attention
 from tokenbudget.core.utils.model_source import load_config, load_or_explain
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
@@ -31,17 +37,25 @@ def check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> None:
     if kv_cache_dtype == "auto" or _DTYPES.get(kv_cache_dtype) == model_dtype:
         return
     name = str(model_dtype).removeprefix("torch.")
-    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported: the KV cache is "
-                     f"kept in the model's dtype ({name}); use kv_cache_dtype='auto', or set "
-                     "dtype to change both")
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not supported: the KV cache is "
+        f"kept in the model's dtype ({name}); use kv_cache_dtype='auto', or set "
+        "dtype to change both"
+    )
 
 
 def is_vision_language_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def load_model(model: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               trust_remote_code: bool = False, revision: str | None = None) -> torch.nn.Module:
+def load_model(
+    model: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> torch.nn.Module:
     """from_pretrained (local folder or hub id), eval mode, decoder attention paged.
 
     Only the causal decoder's attention goes through the paged function; a
@@ -54,10 +68,20 @@ def load_model(model: str, *, dtype: str | torch.dtype = "auto", device: str | t
     device = torch.device(device)
     config = load_config(model, revision=revision, trust_remote_code=trust_remote_code)
     check_supported(config, model)
-    auto_cls = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
-    net = load_or_explain(lambda: auto_cls.from_pretrained(
-        model, dtype=resolve_dtype(dtype, config, device), attn_implementation="sdpa",
-        trust_remote_code=trust_remote_code, revision=revision), model, revision=revision)
+    auto_cls = (
+        AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
+    )
+    net = load_or_explain(
+        lambda: auto_cls.from_pretrained(
+            model,
+            dtype=resolve_dtype(dtype, config, device),
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        ),
+        model,
+        revision=revision,
+    )
     net = net.to(device).eval().requires_grad_(False)
     use_paged_attention(net)
     return net
@@ -71,8 +95,9 @@ def decoder_kv_shape(text_config) -> tuple[int, int, int]:
     query heads); no ``head_dim`` means hidden_size / num_attention_heads."""
     c = text_config
     num_heads = c.num_attention_heads
-    num_kv_heads = (getattr(c, "num_key_value_heads", None) or getattr(c, "num_kv_heads", None)
-                    or num_heads)
+    num_kv_heads = (
+        getattr(c, "num_key_value_heads", None) or getattr(c, "num_kv_heads", None) or num_heads
+    )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
     return int(c.num_hidden_layers), int(num_kv_heads), int(head_dim)
 
@@ -99,17 +124,23 @@ def check_supported(config, model: str) -> None:
     (``sliding_window``) until a hybrid KV cache exists.
     """
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"model {model!r} ({type(config).__name__}) is an encoder-decoder; "
-                         "tokenbudget serves decoder-only models")
+        raise ValueError(
+            f"model {model!r} ({type(config).__name__}) is an encoder-decoder; "
+            "tokenbudget serves decoder-only models"
+        )
     text_config = config.get_text_config()
     if getattr(text_config, "attn_logit_softcapping", None):
-        raise ValueError(f"model {model!r} ({type(config).__name__}) soft-caps its attention "
-                         "scores (attn_logit_softcapping), which the paged attention kernels "
-                         "do not do; it cannot run exactly")
+        raise ValueError(
+            f"model {model!r} ({type(config).__name__}) soft-caps its attention "
+            "scores (attn_logit_softcapping), which the paged attention kernels "
+            "do not do; it cannot run exactly"
+        )
     for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if getattr(text_config, name, None) is None:
-            raise ValueError(f"model {model!r} ({type(config).__name__}): its config has no "
-                             f"{name}; not a decoder tokenbudget knows how to page")
+            raise ValueError(
+                f"model {model!r} ({type(config).__name__}): its config has no "
+                f"{name}; not a decoder tokenbudget knows how to page"
+            )
 
 
 def use_paged_attention(net: torch.nn.Module) -> None:
@@ -120,8 +151,11 @@ def use_paged_attention(net: torch.nn.Module) -> None:
     reaches every layer (and the mask builder, which then skips its masks).
     """
     register_paged_attention()
-    configs = {id(m.config): m.config for m in net.modules()
-               if getattr(m, "is_causal", False) and hasattr(m, "layer_idx") and hasattr(m, "config")}
+    configs = {
+        id(m.config): m.config
+        for m in net.modules()
+        if getattr(m, "is_causal", False) and hasattr(m, "layer_idx") and hasattr(m, "config")
+    }
     if not configs:
         raise ValueError(f"{type(net).__name__}: found no causal attention layers to page")
     for config in configs.values():

@@ -1,6 +1,7 @@
-"""Logits processors that change which token a row may pick, in vLLM's order: allowed_token_ids,
-bad words and min_tokens (a row below min_tokens may not pick its EOS or stop ids), logit_bias, then the repetition, frequency and presence penalties. Temperature and
-the top-k / top-p / min-p filters come after them, in the sampler.
+"""Logits processors that change which token a row may pick, in vLLM's order:
+allowed_token_ids, bad words and min_tokens (a row below min_tokens may not pick
+its EOS or stop ids), logit_bias, then the repetition, frequency and presence
+penalties. Temperature and the top-k / top-p / min-p filters come after them, in the sampler.
 
 ``LogitsProcessors.build`` turns one step's params and token history into device tensors, each
 feature only when some row uses it; a batch that uses none gets None and pays one pass over its
@@ -11,6 +12,7 @@ The penalties touch only the tokens a row has seen: gather their logits, penalis
 back. That is [rows, history] work where vLLM's masks are [rows, vocab] (and boolean masks and
 torch.where over [rows, vocab] are slow on a CPU).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,12 +41,22 @@ class LogitsProcessors:
     penalties: Penalties | None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], history: TokenHistory | None,
-              device: torch.device | str,
-              eos_token_ids: list[int | None] | None = None) -> LogitsProcessors | None:
-        used = [j for j, p in enumerate(params)
-                if p.has_penalties or p.logit_bias or p.allowed_token_ids is not None
-                or p.bad_words_token_ids or p.min_tokens]
+    def build(
+        cls,
+        params: list[SamplingParams],
+        history: TokenHistory | None,
+        device: torch.device | str,
+        eos_token_ids: list[int | None] | None = None,
+    ) -> LogitsProcessors | None:
+        used = [
+            j
+            for j, p in enumerate(params)
+            if p.has_penalties
+            or p.logit_bias
+            or p.allowed_token_ids is not None
+            or p.bad_words_token_ids
+            or p.min_tokens
+        ]
         if not used:
             return None
         allowed, biased, penalised, with_bad_words, with_min = [], [], [], [], []
@@ -65,9 +77,10 @@ class LogitsProcessors:
 
         def pairs(rows: list[int], tokens: list) -> tuple[torch.Tensor, torch.Tensor]:
             counts = [len(t) for t in tokens]
-            return (_to_device(np.repeat(rows, counts), device),
-                    _to_device(np.fromiter(chain.from_iterable(tokens), np.int64, sum(counts)),
-                               device))
+            return (
+                _to_device(np.repeat(rows, counts), device),
+                _to_device(np.fromiter(chain.from_iterable(tokens), np.int64, sum(counts)), device),
+            )
 
         bias = None
         if biased:
@@ -78,12 +91,12 @@ class LogitsProcessors:
         banned += _min_tokens_bans(params, with_min, history, eos_token_ids)
         return cls(
             allowed_rows=_to_device(np.array(allowed), device) if allowed else None,
-            allowed=(pairs(allowed, [params[j].allowed_token_ids for j in allowed])
-                     if allowed else None),
+            allowed=(
+                pairs(allowed, [params[j].allowed_token_ids for j in allowed]) if allowed else None
+            ),
             banned=pairs([j for j, _ in banned], [[t] for _, t in banned]) if banned else None,
             bias=bias,
-            penalties=(Penalties.build(params, penalised, history, device)
-                       if penalised else None),
+            penalties=(Penalties.build(params, penalised, history, device) if penalised else None),
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -103,8 +116,9 @@ class LogitsProcessors:
         return x
 
 
-def _bad_word_bans(params: list[SamplingParams], rows: list[int],
-                   history: TokenHistory | None) -> list[tuple[int, int]]:
+def _bad_word_bans(
+    params: list[SamplingParams], rows: list[int], history: TokenHistory | None
+) -> list[tuple[int, int]]:
     """(row, token) pairs to ban: a word's last token, once the row's most recent output tokens
     are the rest of the word (vLLM's rule; prompt tokens do not count)."""
     banned = []
@@ -117,8 +131,12 @@ def _bad_word_bans(params: list[SamplingParams], rows: list[int],
     return banned
 
 
-def _min_tokens_bans(params: list[SamplingParams], rows: list[int], history: TokenHistory | None,
-                     eos_token_ids: list[int | None] | None) -> list[tuple[int, int]]:
+def _min_tokens_bans(
+    params: list[SamplingParams],
+    rows: list[int],
+    history: TokenHistory | None,
+    eos_token_ids: list[int | None] | None,
+) -> list[tuple[int, int]]:
     """(row, token) pairs to ban: a row with fewer than min_tokens outputs may not stop, so its
     EOS and stop ids are masked (vLLM's rule; the length limits still apply)."""
     banned = []
@@ -152,11 +170,25 @@ class Penalties:
     presence: torch.Tensor  # [k, 1] float32
 
     @classmethod
-    def build(cls, params: list[SamplingParams], rows: list[int], history: TokenHistory,
-              device: torch.device | str) -> Penalties:
+    def build(
+        cls,
+        params: list[SamplingParams],
+        rows: list[int],
+        history: TokenHistory,
+        device: torch.device | str,
+    ) -> Penalties:
         index = np.asarray(rows)
-        values = np.array([(params[j].repetition_penalty, params[j].frequency_penalty,
-                            params[j].presence_penalty) for j in rows], np.float32)
+        values = np.array(
+            [
+                (
+                    params[j].repetition_penalty,
+                    params[j].frequency_penalty,
+                    params[j].presence_penalty,
+                )
+                for j in rows
+            ],
+            np.float32,
+        )
         columns = torch.from_numpy(values).to(device, non_blocking=True).unsqueeze(2)
         seen_ids = output_ids = output_weights = None
         if (values[:, 0] != 1.0).any():
@@ -166,9 +198,13 @@ class Penalties:
             output_ids, output_weights = _to_device(ids, device), _to_device(weights, device)
         return cls(
             rows=None if len(rows) == len(history.rows) else _to_device(index, device),
-            seen_ids=seen_ids, repetition=columns[:, 0],
-            output_ids=output_ids, output_weights=output_weights,
-            frequency=columns[:, 1], presence=columns[:, 2])
+            seen_ids=seen_ids,
+            repetition=columns[:, 0],
+            output_ids=output_ids,
+            output_weights=output_weights,
+            frequency=columns[:, 1],
+            presence=columns[:, 2],
+        )
 
     def apply(self, logits: torch.Tensor) -> None:
         """Penalise `logits` [rows, vocab] in place."""
@@ -176,8 +212,9 @@ class Penalties:
         if self.seen_ids is not None:
             _apply_repetition(x, self.seen_ids, self.repetition)
         if self.output_ids is not None:
-            _apply_frequency_presence(x, self.output_ids, self.output_weights, self.frequency,
-                                      self.presence)
+            _apply_frequency_presence(
+                x, self.output_ids, self.output_weights, self.frequency, self.presence
+            )
         if self.rows is not None:
             logits.index_copy_(0, self.rows, x)
 
@@ -191,7 +228,7 @@ def _seen_ids(history: TokenHistory, index: np.ndarray) -> np.ndarray:
     lengths = history.num_tokens[index]
     # A copy (padded in place below) by numpy's fast path: rows of a column slice; a fancy
     # index together with a slice is ~4x slower.
-    ids = history.token_ids[:, :int(lengths.max())][history.rows[index]]
+    ids = history.token_ids[:, : int(lengths.max())][history.rows[index]]
     padding, counts = _padding(lengths, ids.shape[1])
     ids.reshape(-1)[padding] = np.repeat(ids[:, 0], counts)
     return ids
@@ -231,8 +268,13 @@ def _apply_repetition(x: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor)
     x.scatter_(1, ids, penalised)
 
 
-def _apply_frequency_presence(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                              frequency: torch.Tensor, presence: torch.Tensor) -> None:
+def _apply_frequency_presence(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> None:
     """OpenAI's penalties: logit -= frequency * count + presence * (count > 0), over output.
 
     The output tokens' own columns of `x` count them, so there is no [rows, vocab] buffer to

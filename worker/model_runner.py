@@ -8,12 +8,12 @@ copy of the sequence. The next decode input always comes from that copy, so
 step N+1 may be scheduled before the scheduler saw step N's token (async
 scheduling); steps must simply execute in order.
 """
+
 from __future__ import annotations
 
 import logging
 import time
 from collections import defaultdict
-from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -21,24 +21,32 @@ import torch
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.failures import RequestFailure, describe
 from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
-                                          flash_block_size_warning, kv_cache_bytes_per_block,
-                                          resolve_backend)
+from tokenbudget.worker.attention import (
+    allocate_kv_caches,
+    build_metadata,
+    flash_block_size_warning,
+    kv_cache_bytes_per_block,
+    resolve_backend,
+)
 from tokenbudget.worker.fault_isolation import StepPart, merge_parts, run_isolating
-from tokenbudget.worker.input_batch import InputBatch, RequestState, StepInputs, TokenHistory
-from tokenbudget.worker.kv_cache import (ParallelGroup, blocks_per_request, num_kv_blocks,
-                                         profile_free_memory)
+from tokenbudget.worker.input_batch import InputBatch, RequestState, StepInputs
+from tokenbudget.worker.kv_cache import (
+    ParallelGroup,
+    blocks_per_request,
+    num_kv_blocks,
+    profile_free_memory,
+)
 from tokenbudget.worker.kv_transfer import HostKVCache, num_offload_slots
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
 from tokenbudget.worker.pooler import Pooler
 from tokenbudget.worker.prompt_logprobs import prompt_logprob_rows
-from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
-                                        make_generator)
-from tokenbudget.worker.spec_decode import (NgramProposer, SeedRewind, aligned_drafts,
-                                            num_accepted)
+from tokenbudget.worker.sampler import Sampler, make_generator
+from tokenbudget.worker.spec_decode import NgramProposer
+from tokenbudget.worker.step_sampling import collect, sample
 from tokenbudget.worker.vision import VisionInputs, is_vision_model
 
 logger = logging.getLogger(__name__)
+
 
 class StepOrderError(RuntimeError):
     """Steps reached the runner out of order: the engine's bug, not a request's."""
@@ -49,17 +57,29 @@ _FATAL = (MemoryError, torch.OutOfMemoryError, StepOrderError)
 
 
 class ModelRunner:
-    def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu", attention_backend: str = "auto",
-                 trust_remote_code: bool = False, revision: str | None = None,
-                 kv_cache_dtype: str = "auto", parallel: ParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        attention_backend: str = "auto",
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        kv_cache_dtype: str = "auto",
+        parallel: ParallelGroup | None = None,
+    ) -> None:
         """``parallel``: this rank's tensor-parallel group; the model is loaded
         whole on the host, sharded, then moved to the device."""
         self.device = torch.device(device)
         self.parallel = parallel
-        self.model = load_model(model, dtype=dtype, device=self.device if parallel is None
-                                else "cpu", trust_remote_code=trust_remote_code,
-                                revision=revision)
+        self.model = load_model(
+            model,
+            dtype=dtype,
+            device=self.device if parallel is None else "cpu",
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        )
         if parallel is not None:
             parallel.shard(self.model)
             self.model.to(self.device)
@@ -96,8 +116,9 @@ class ModelRunner:
             num_kv_heads //= self.parallel.world_size
         return num_layers, num_kv_heads, head_dim
 
-    def initialize_kv_cache(self, cache_config: CacheConfig,
-                            scheduler_config: SchedulerConfig) -> int:
+    def initialize_kv_cache(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> int:
         """Size and allocate the KV cache; returns num_blocks (block 0 included)."""
         bs = cache_config.block_size
         warning = flash_block_size_warning(self.attention_backend, bs)
@@ -106,33 +127,51 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = self._kv_shape
         per_block = kv_cache_bytes_per_block(num_layers, bs, num_kv_heads, head_dim, self.dtype)
         num_blocks = num_kv_blocks(
-            cache_config, scheduler_config, per_block, self.device,
-            lambda: self._profile_free_memory(cache_config, scheduler_config))
+            cache_config,
+            scheduler_config,
+            per_block,
+            self.device,
+            lambda: self._profile_free_memory(cache_config, scheduler_config),
+        )
         if self.parallel is not None:
             num_blocks = self.parallel.min_over_ranks(num_blocks)
         if num_blocks < 2:
-            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes "
-                             "(need at least 2); raise kv_cache_memory or num_gpu_blocks")
+            raise ValueError(
+                f"KV cache too small: {num_blocks} blocks of {per_block} bytes "
+                "(need at least 2); raise kv_cache_memory or num_gpu_blocks"
+            )
         self.block_size = bs
         spec = scheduler_config.speculative_config
         if spec is not None:
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                          spec.prompt_lookup_max)
-        self.kv_caches = allocate_kv_caches(num_layers, num_blocks, bs, num_kv_heads, head_dim,
-                                            self.dtype, self.device)
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        self.kv_caches = allocate_kv_caches(
+            num_layers, num_blocks, bs, num_kv_heads, head_dim, self.dtype, self.device
+        )
         num_slots = num_offload_slots(cache_config, per_block)
         self.host_kv = HostKVCache(self.kv_caches, num_slots) if num_slots else None
         self.num_offload_blocks = num_slots
-        self.batch = InputBatch(scheduler_config.max_num_seqs,
-                                scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
-                                blocks_per_request(scheduler_config, bs))
+        self.batch = InputBatch(
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
+            blocks_per_request(scheduler_config, bs),
+        )
         return int(num_blocks)
 
-    def _profile_free_memory(self, cache_config: CacheConfig,
-                             scheduler_config: SchedulerConfig) -> int:
+    def _profile_free_memory(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> int:
         """GPU bytes left for KV after a forward of a full token budget."""
-        return profile_free_memory(self.model, self.attention_backend, self._kv_shape,
-                                   self.dtype, self.device, cache_config, scheduler_config)
+        return profile_free_memory(
+            self.model,
+            self.attention_backend,
+            self._kv_shape,
+            self.dtype,
+            self.device,
+            cache_config,
+            scheduler_config,
+        )
 
     # -- state ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -155,10 +194,17 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             try:
                 params = new.sampling_params
-                generator = None if params.seed is None else \
-                    make_generator(params.seed, self.device)
-                state = RequestState(new.req_id, len(new.prompt_token_ids), params, generator,
-                                     list(new.mm_features), eos_token_id=new.eos_token_id)
+                generator = (
+                    None if params.seed is None else make_generator(params.seed, self.device)
+                )
+                state = RequestState(
+                    new.req_id,
+                    len(new.prompt_token_ids),
+                    params,
+                    generator,
+                    list(new.mm_features),
+                    eos_token_id=new.eos_token_id,
+                )
                 if self.vision is not None:
                     self.vision.init_positions(state, new.prompt_token_ids)
             except _FATAL:
@@ -229,8 +275,9 @@ class ModelRunner:
         meta = self._attention_metadata(step)
         logits_idx = self._logits_indices(step)
         prompt_rows = prompt_logprob_rows(step, self.requests, self.batch.token_ids)
-        keep = logits_idx if prompt_rows is None else np.concatenate([logits_idx,
-                                                                       prompt_rows.packed])
+        keep = (
+            logits_idx if prompt_rows is None else np.concatenate([logits_idx, prompt_rows.packed])
+        )
         t1 = time.perf_counter()
         self.pooler.start_step(pooling)
         logits = self._forward(so, step, meta, keep)
@@ -238,11 +285,14 @@ class ModelRunner:
         t2 = time.perf_counter()
         prompt_logprobs = None
         if prompt_rows is not None:
-            prompt_logprobs = prompt_rows.logprobs(logits[len(logits_idx):])
-            logits = logits[:len(logits_idx)]
-        sampled_rows, ids, lps, rewind = self._sample(so, step, logits)
+            prompt_logprobs = prompt_rows.logprobs(logits[len(logits_idx) :])
+            logits = logits[: len(logits_idx)]
+        sampled_rows, ids, lps, rewind = sample(
+            self.sampler, self.requests, self.batch, self.device, so, step, logits
+        )
         t3 = time.perf_counter()
-        out = self._collect(so, step, sampled_rows, ids, lps, rewind, logits.shape[-1])
+        vocab = logits.shape[-1]
+        out = collect(self.requests, self.device, so, step, sampled_rows, ids, lps, rewind, vocab)
         out.prompt_logprobs = prompt_logprobs
         out.pooler_output = pooled
         t4 = time.perf_counter()
@@ -269,30 +319,49 @@ class ModelRunner:
                 # Drafts sit after the known tokens as inputs only; verified
                 # tokens overwrite them when appended.
                 row, n = rows[i], batch.num_tokens[rows[i]]
-                batch.token_ids[row, n:n + len(drafts)] = drafts
+                batch.token_ids[row, n : n + len(drafts)] = drafts
                 num_drafts[i] = len(drafts)
         ends = starts + query_lens
         known = batch.num_tokens[rows] + num_drafts
         if (ends > known).any():
             bad = req_ids[int(np.argmax(ends > known))]
-            raise StepOrderError(f"request {bad}: scheduled past the tokens the worker "
-                                 "knows; steps must execute in the order they were scheduled")
+            raise StepOrderError(
+                f"request {bad}: scheduled past the tokens the worker "
+                "knows; steps must execute in the order they were scheduled"
+            )
         offsets = np.repeat(starts - (np.cumsum(query_lens) - query_lens), query_lens)
         positions = np.arange(int(query_lens.sum())) + offsets
         input_ids = batch.token_ids[np.repeat(rows, query_lens), positions]
-        return StepInputs(req_ids, rows, query_lens, starts, num_drafts, positions, input_ids,
-                     samples=ends >= known)
+        return StepInputs(
+            req_ids,
+            rows,
+            query_lens,
+            starts,
+            num_drafts,
+            positions,
+            input_ids,
+            samples=ends >= known,
+        )
 
     def _attention_metadata(self, step: StepInputs):
         batch, bs = self.batch, self.block_size
         seq_lens = step.starts + step.query_lens
         rows_rep = np.repeat(step.rows, step.query_lens)
-        slot_mapping = (batch.block_table[rows_rep, step.positions // bs].astype(np.int64) * bs
-                        + step.positions % bs)
+        slot_mapping = (
+            batch.block_table[rows_rep, step.positions // bs].astype(np.int64) * bs
+            + step.positions % bs
+        )
         max_blocks = -(-int(seq_lens.max()) // bs)
-        return build_metadata(self.attention_backend, self.kv_caches, bs, step.query_lens,
-                              seq_lens, batch.block_table[step.rows, :max_blocks], slot_mapping,
-                              self.device)
+        return build_metadata(
+            self.attention_backend,
+            self.kv_caches,
+            bs,
+            step.query_lens,
+            seq_lens,
+            batch.block_table[step.rows, :max_blocks],
+            slot_mapping,
+            self.device,
+        )
 
     @staticmethod
     def _logits_indices(step: StepInputs) -> np.ndarray:
@@ -301,7 +370,8 @@ class ModelRunner:
         ends = np.cumsum(step.query_lens)[step.samples]
         counts = step.num_drafts[step.samples] + 1
         return np.repeat(ends - counts, counts) + (
-            np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+            np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        )
 
     def _forward(self, so: SchedulerOutput, step: StepInputs, meta, logits_idx: np.ndarray):
         dev = self.device
@@ -310,113 +380,18 @@ class ModelRunner:
         if self.vision is not None:
             return self.vision.forward(so, step, self.requests, input_ids, meta, keep)
         positions = torch.from_numpy(step.positions).to(dev, non_blocking=True)
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], paged_attn=meta,
-                         use_cache=False, logits_to_keep=keep)
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            paged_attn=meta,
+            use_cache=False,
+            logits_to_keep=keep,
+        )
         return out.logits[0]
 
-    def _sample(self, so: SchedulerOutput, step: StepInputs, logits: torch.Tensor):
-        """Returns (request index per logits row, token ids, logprob (ids, values) or None,
-        the seeded generators to rewind after verification)."""
-        samplers = np.flatnonzero(step.samples)
-        row_req = np.repeat(samplers, step.num_drafts[samplers] + 1)
-        rewind = SeedRewind()
-        if len(row_req) == 0:
-            return row_req, [], None, rewind
-        states = [self.requests[step.req_ids[i]] for i in row_req]
-        if so.grammar_bitmask is not None:
-            self._apply_grammar(so, step, row_req, logits)
-        metadata = SamplingMetadata.from_params([s.sampling_params for s in states],
-                                                [s.generator for s in states], self.device,
-                                                self._token_history(step, row_req, states),
-                                                [s.eos_token_id for s in states])
-        for row, generator in metadata.generators.items():
-            # Seeded random rows only: greedy rows draw nothing.
-            i = int(row_req[row])
-            if step.num_drafts[i] and (row == 0 or row_req[row - 1] != i):
-                rewind.save(i, generator)
-        result = self.sampler(logits.float(), metadata)
-        ids = result.sampled_token_ids.tolist()
-        lps = None
-        if result.logprobs is not None:
-            lps = (result.logprobs_token_ids.tolist(), result.logprobs.tolist())
-        return row_req, ids, lps, rewind
-
-    def _token_history(self, step: StepInputs, row_req: np.ndarray,
-                       states: list[RequestState]) -> TokenHistory:
-        """What each logits row has seen: row t of a request verifying drafts has seen the
-        first t of them as output, as if it had sampled them."""
-        # row_req is sorted, so searchsorted finds each request's first row.
-        num_drafts_seen = np.arange(len(row_req)) - np.searchsorted(row_req, row_req)
-        num_prompt = np.fromiter((s.num_prompt_tokens for s in states), np.int64, len(states))
-        return self.batch.history(step.rows[row_req], num_prompt, num_drafts_seen)
-
-    def _apply_grammar(self, so: SchedulerOutput, step: StepInputs, row_req: np.ndarray,
-                       logits: torch.Tensor) -> None:
-        """Bitmask rows come per structured request (1 + drafts rows each, in
-        structured_req_ids order); map them onto our logits rows."""
-        bitmask = so.grammar_bitmask
-        if isinstance(bitmask, Future):
-            # Deferred by the engine until the previous step's tokens are
-            # accepted; the forward pass ran meanwhile.
-            bitmask = bitmask.result()
-        bitmask = np.asarray(bitmask)
-        if len(row_req) == len(step.req_ids) and so.structured_req_ids == step.req_ids:
-            # Every request samples one row and all are constrained, in order.
-            apply_token_bitmask(logits, torch.from_numpy(bitmask))
-            return
-        first_row = {}
-        for j, i in enumerate(row_req):
-            first_row.setdefault(step.req_ids[i], j)
-        src, dst, k = [], [], 0
-        for rid in so.structured_req_ids:
-            # Rows per request: 1 + its drafts, whether or not this run computes it.
-            n = len(so.scheduled_spec_decode_tokens.get(rid, ())) + 1
-            if rid in first_row:
-                src.extend(range(k, k + n))
-                dst.extend(range(first_row[rid], first_row[rid] + n))
-            k += n
-        if not dst:
-            return
-        if src != list(range(len(bitmask))):
-            bitmask = bitmask[src]
-        if dst == list(range(len(row_req))):
-            # Every sampled row is constrained, in order: mask in place.
-            apply_token_bitmask(logits, torch.from_numpy(bitmask))
-            return
-        dst_t = torch.tensor(dst, device=logits.device)
-        rows = logits.index_select(0, dst_t)
-        apply_token_bitmask(rows, torch.from_numpy(bitmask))
-        logits.index_copy_(0, dst_t, rows)
-
-    def _collect(self, so: SchedulerOutput, step: StepInputs, row_req: np.ndarray, ids: list[int],
-                 lps, rewind: SeedRewind, vocab: int) -> StepPart:
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs: list | None = None
-        if lps is not None:
-            logprobs = [None] * len(step.req_ids)
-        samplers = np.flatnonzero(step.samples)
-        num_rows = step.num_drafts[samplers] + 1
-        num_kept = num_rows
-        if len(samplers) and step.num_drafts[samplers].any():
-            spec = so.scheduled_spec_decode_tokens
-            drafts = aligned_drafts(num_rows, [spec.get(step.req_ids[i]) for i in samplers])
-            num_kept = num_accepted(np.asarray(ids), drafts, num_rows) + 1
-        j = 0
-        for i, n, kept in zip(samplers.tolist(), num_rows.tolist(), num_kept.tolist()):
-            tokens = ids[j:j + kept]
-            if rewind:
-                rewind.rewind(i, n, kept, (vocab,), self.device)
-            sampled[i] = tokens
-            state = self.requests[step.req_ids[i]]
-            if lps is not None and state.sampling_params.logprobs is not None:
-                width = state.sampling_params.logprobs + 1
-                logprobs[i] = [dict(zip(lps[0][j + t][:width], lps[1][j + t][:width]))
-                               for t in range(kept)]
-            j += n
-        return StepPart(step.req_ids, sampled, logprobs, None)
-
-    def _commit(self, req_ids: list[str], parts: list[StepPart],
-                failed: dict[str, RequestFailure]) -> ModelRunnerOutput:
+    def _commit(
+        self, req_ids: list[str], parts: list[StepPart], failed: dict[str, RequestFailure]
+    ) -> ModelRunnerOutput:
         """Append the sampled tokens to the batch and answer in scheduled order."""
         batch, requests = self.batch, self.requests
         for part in parts:
@@ -430,11 +405,13 @@ class ModelRunner:
         (after its tokens were appended; a failed request sampled nothing)."""
         samplers = np.flatnonzero(np.fromiter(map(bool, sampled), bool, len(sampled)))
         drafts: list[list[int]] = [[] for _ in req_ids]
-        rows = np.fromiter((self.requests[req_ids[i]].row for i in samplers), np.int64,
-                           len(samplers))
+        rows = np.fromiter(
+            (self.requests[req_ids[i]].row for i in samplers), np.int64, len(samplers)
+        )
         batch = self.batch
-        proposals = self.proposer.propose(batch.token_ids, rows,
-                                          np.minimum(batch.num_tokens[rows], batch.max_model_len))
+        proposals = self.proposer.propose(
+            batch.token_ids, rows, np.minimum(batch.num_tokens[rows], batch.max_model_len)
+        )
         for i, d in zip(samplers.tolist(), proposals):
             drafts[i] = d
         return drafts

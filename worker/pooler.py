@@ -14,6 +14,7 @@ A chunk starting at position 0 resets the request's sums: a preempted request
 recomputes its prompt from the start (MEAN and CLS requests never read the
 prefix cache, so they always start at 0; LAST needs no history).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ from tokenbudget.core.pooling_params import PoolingParams
 class _PoolingState:
     params: PoolingParams
     num_prompt_tokens: int
-    total: torch.Tensor | None = None   # MEAN: float32 sum of the rows so far
-    first: torch.Tensor | None = None   # CLS: position 0's row
+    total: torch.Tensor | None = None  # MEAN: float32 sum of the rows so far
+    first: torch.Tensor | None = None  # CLS: position 0's row
 
 
 class Pooler:
@@ -46,8 +47,9 @@ class Pooler:
 
     def _capture(self, module, args, output) -> None:
         if self._capturing:
-            self._hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") \
-                else output[0]
+            self._hidden = (
+                output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            )
 
     # -- requests -------------------------------------------------------------------
     def add(self, req_id: str, params: PoolingParams, num_prompt_tokens: int) -> None:
@@ -82,8 +84,13 @@ class Pooler:
         self._capturing = pooling is not None
         self._hidden = None
 
-    def pool(self, req_ids: list[str], starts: np.ndarray, query_lens: np.ndarray,
-             pooling: np.ndarray | None) -> list[torch.Tensor | None] | None:
+    def pool(
+        self,
+        req_ids: list[str],
+        starts: np.ndarray,
+        query_lens: np.ndarray,
+        pooling: np.ndarray | None,
+    ) -> list[torch.Tensor | None] | None:
         """Fold this step's chunks in; returns, per request of the step, the
         pooled vector (float32, on the CPU) of each pooling request whose
         prompt completed, else None. None when no request pooled."""
@@ -105,7 +112,7 @@ class Pooler:
             if start == 0:
                 state.total = state.first = None
             if kind == "MEAN":
-                chunk = hidden[row:row + n].float().sum(0)
+                chunk = hidden[row : row + n].float().sum(0)
                 state.total = chunk if state.total is None else state.total + chunk
             elif kind == "CLS" and start == 0:
                 state.first = hidden[row].float()

@@ -1,4 +1,5 @@
 """Prompt logprobs: which packed rows of a step predict which prompt tokens."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,8 +24,9 @@ class PromptRows:
         self._packed: list[np.ndarray] = []
         self._targets: list[np.ndarray] = []
 
-    def add(self, req_id: str, start: int, num_top: int, packed: np.ndarray,
-            targets: np.ndarray) -> None:
+    def add(
+        self, req_id: str, start: int, num_top: int, packed: np.ndarray, targets: np.ndarray
+    ) -> None:
         self.req_ids.append(req_id)
         self.starts.append(start)
         self.num_top.append(num_top)
@@ -46,15 +48,18 @@ class PromptRows:
         ids_l, values_l = ids.tolist(), lp.gather(1, ids).tolist()
         out, row = {}, 0
         for rid, start, n, packed in zip(self.req_ids, self.starts, self.num_top, self._packed):
-            entries = [dict(zip(ids_l[r][:n + 1], values_l[r][:n + 1]))
-                       for r in range(row, row + len(packed))]
+            entries = [
+                dict(zip(ids_l[r][: n + 1], values_l[r][: n + 1]))
+                for r in range(row, row + len(packed))
+            ]
             out[rid] = PromptLogprobs(start, entries)
             row += len(packed)
         return out
 
 
-def prompt_logprob_rows(step: StepInputs, requests: dict[str, RequestState],
-                        token_ids: np.ndarray) -> PromptRows | None:
+def prompt_logprob_rows(
+    step: StepInputs, requests: dict[str, RequestState], token_ids: np.ndarray
+) -> PromptRows | None:
     """The packed rows whose logits give this step's prompt logprobs: the
     logits at prompt position j predict prompt token j + 1 (``token_ids``:
     the batch's rows of token ids)."""
@@ -73,6 +78,11 @@ def prompt_logprob_rows(step: StepInputs, requests: dict[str, RequestState],
             rows = PromptRows()
             first_rows = np.cumsum(step.query_lens) - step.query_lens
         first = int(first_rows[i])
-        rows.add(rid, start + 1, num_top, np.arange(first, first + end - start),
-                 token_ids[step.rows[i], start + 1:end + 1])
+        rows.add(
+            rid,
+            start + 1,
+            num_top,
+            np.arange(first, first + end - start),
+            token_ids[step.rows[i], start + 1 : end + 1],
+        )
     return rows

@@ -13,6 +13,7 @@ is an exact draw from probs. A seeded row draws its q from its own generator (V 
 step), so its token depends only on its generator and its own logits, never on its row index or
 on the rest of the batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,16 +62,20 @@ class SamplingMetadata:
     processors: LogitsProcessors | None = None  # None: no row uses any
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams],
-                    generators: list[torch.Generator | None],
-                    device: torch.device | str,
-                    history: TokenHistory | None = None,
-                    eos_token_ids: list[int | None] | None = None) -> SamplingMetadata:
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device | str,
+        history: TokenHistory | None = None,
+        eos_token_ids: list[int | None] | None = None,
+    ) -> SamplingMetadata:
         """`history`: the rows' tokens, needed only when some row uses penalties, bad words or
         min_tokens; `eos_token_ids`: each row's EOS id (None: none, or ignore_eos)."""
         if len(generators) != len(params):
-            raise ValueError(f"generators must have one entry per row ({len(params)}), "
-                             f"got {len(generators)}")
+            raise ValueError(
+                f"generators must have one entry per row ({len(params)}), got {len(generators)}"
+            )
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
         sampled = [params[i] for i in random_rows]
         is_random = [False] * len(params)
@@ -90,8 +95,11 @@ class SamplingMetadata:
             temperature=tensor(row_values("temperature", 0.0), torch.float32),
             top_k=tensor(row_values("top_k", -1), torch.long) if active_top_k else None,
             top_p=tensor(row_values("top_p", 1.0), torch.float32) if top_p_positions else None,
-            min_p=(tensor(row_values("min_p", 0.0), torch.float32)
-                   if any(p.min_p > 0 for p in sampled) else None),
+            min_p=(
+                tensor(row_values("min_p", 0.0), torch.float32)
+                if any(p.min_p > 0 for p in sampled)
+                else None
+            ),
             generators={i: generators[i] for i in random_rows if generators[i] is not None},
             all_greedy=not random_rows,
             all_random=len(random_rows) == len(params),
@@ -124,9 +132,13 @@ class Sampler(torch.nn.Module):
             sampled = _sample_random(processed, metadata, in_place=private)
         else:
             sampled = processed.argmax(dim=-1)
-            sampled.index_copy_(0, metadata.random_index,
-                                _sample_random(processed.index_select(0, metadata.random_index),
-                                               metadata, in_place=private))
+            sampled.index_copy_(
+                0,
+                metadata.random_index,
+                _sample_random(
+                    processed.index_select(0, metadata.random_index), metadata, in_place=private
+                ),
+            )
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None)
         ids, logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
@@ -144,17 +156,23 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata, in_place: bool) -
     # Otherwise a fresh float32 tensor: the caller's logits stay untouched for logprobs.
     temperature = select(md.temperature).unsqueeze(1)
     x = logits.div_(temperature) if in_place else logits / temperature
-    cutoff = _cutoff_logits(x, select(md.top_k), md.max_top_k, select(md.top_p),
-                            md.top_p_index, select(md.min_p))
+    cutoff = _cutoff_logits(
+        x, select(md.top_k), md.max_top_k, select(md.top_p), md.top_p_index, select(md.min_p)
+    )
     if cutoff is not None:
         x.masked_fill_(x < cutoff.unsqueeze(1), float("-inf"))
     probs = x.softmax(dim=-1)
     return probs.div_(_exponential_draws(probs, md)).argmax(dim=-1)
 
 
-def _cutoff_logits(x: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                   top_p: torch.Tensor | None, top_p_index: torch.Tensor | None,
-                   min_p: torch.Tensor | None) -> torch.Tensor | None:
+def _cutoff_logits(
+    x: torch.Tensor,
+    top_k: torch.Tensor | None,
+    max_top_k: int,
+    top_p: torch.Tensor | None,
+    top_p_index: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor | None:
     """Per row, the smallest logit that survives top-k, then top-p, then min-p (None: no filter)."""
     cutoff = None
     if top_k is not None:
@@ -177,8 +195,9 @@ def _top_k_cutoff(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch
     return torch.where(top_k > 0, kth, float("-inf"))
 
 
-def _apply_top_p_cutoff(x: torch.Tensor, top_p: torch.Tensor, top_p_index: torch.Tensor,
-                        cutoff: torch.Tensor | None) -> torch.Tensor:
+def _apply_top_p_cutoff(
+    x: torch.Tensor, top_p: torch.Tensor, top_p_index: torch.Tensor, cutoff: torch.Tensor | None
+) -> torch.Tensor:
     """Raise the cut-off of the rows in top_p_index to their nucleus (taken after top-k)."""
     # Only rows that use top-p pay for the full sort.
     subset = top_p_index.numel() != x.shape[0]
@@ -200,8 +219,9 @@ def _apply_top_p_cutoff(x: torch.Tensor, top_p: torch.Tensor, top_p_index: torch
     nucleus_cut = torch.where(p < 1.0, nucleus_cut, float("-inf"))
     if not subset:
         return torch.maximum(cutoff, nucleus_cut)
-    return cutoff.index_copy(0, top_p_index,
-                             torch.maximum(cutoff.index_select(0, top_p_index), nucleus_cut))
+    return cutoff.index_copy(
+        0, top_p_index, torch.maximum(cutoff.index_select(0, top_p_index), nucleus_cut)
+    )
 
 
 def _exponential_draws(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -221,8 +241,9 @@ def _exponential_draws(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     return u.log_().neg_()
 
 
-def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor,
-                     num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids [sampled, top-1 .. top-num_top] and their log_softmax of the raw logits."""
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     ids = sampled.unsqueeze(1)
@@ -240,11 +261,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     of word w allows token 32*w + j) masks row i of `logits`; rows of all ones (-1) allow all."""
     num_rows, vocab_size = logits.shape
     if bitmask.dim() != 2 or bitmask.shape[0] != num_rows:
-        raise ValueError(f"bitmask must have shape [{num_rows}, words], got "
-                         f"{list(bitmask.shape)}")
+        raise ValueError(f"bitmask must have shape [{num_rows}, words], got {list(bitmask.shape)}")
     if bitmask.shape[1] * 32 < vocab_size:
-        raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens but logits have "
-                         f"{vocab_size}; allocate it for the model's full vocabulary")
+        raise ValueError(
+            f"bitmask covers {bitmask.shape[1] * 32} tokens but logits have "
+            f"{vocab_size}; allocate it for the model's full vocabulary"
+        )
     if logits.device.type == "cpu" and logits.dtype in _INT_VIEW:
         apply_token_bitmask_cpu(logits, bitmask.to("cpu", torch.int32))
         return
@@ -257,8 +279,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
             return
         except Exception as exc:  # a missing kernel (no triton, odd dtype) is not fatal
             _XGRAMMAR_UNAVAILABLE.add(logits.device.type)
-            logger.warning("xgrammar bitmask kernel unavailable on %s (%s); using torch",
-                           logits.device.type, exc)
+            logger.warning(
+                "xgrammar bitmask kernel unavailable on %s (%s); using torch",
+                logits.device.type,
+                exc,
+            )
     apply_token_bitmask_torch(logits, bitmask)
 
 
@@ -270,7 +295,6 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> No
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     allowed = bits.flatten(1)[:, :vocab_size].bool()
     logits.masked_fill_(~allowed, float("-inf"))
-
 
 
 # Floating dtype -> the integer dtype of its size, for bitwise masking.
@@ -293,7 +317,7 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None
     masks of JSON structure; torch's integer ops cost ~2.5x these numpy
     passes at one thread. Rows that allow everything are skipped."""
     num_rows, vocab_size = logits.shape
-    words = np.ascontiguousarray(bitmask.numpy()[:, :-(-vocab_size // 32)])
+    words = np.ascontiguousarray(bitmask.numpy()[:, : -(-vocab_size // 32)])
     rows = np.flatnonzero((words != -1).any(axis=1))
     if len(rows) == 0:
         return
@@ -301,11 +325,12 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None
     bits = logits.view(int_dtype).numpy()
     table = _BYTE_KEEP[int_dtype]
     neg_inf = bits.dtype.type(
-        torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item())
+        torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item()
+    )
     step = max(1, _CPU_CHUNK // vocab_size)
     contiguous = len(rows) == num_rows
     for start in range(0, len(rows), step):
-        chunk = rows[start:start + step]
+        chunk = rows[start : start + step]
         rows_of = slice(start, start + len(chunk)) if contiguous else chunk
         keep = table.take(words[rows_of].view(np.uint8).astype(np.intp), axis=0)
         keep = keep.reshape(len(chunk), -1)[:, :vocab_size]

@@ -70,6 +70,7 @@ Gotchas:
   ``mm_token_type_ids()``) with image inputs, else they use 1-D positions
   (Qwen2.5-VL) or raise (Qwen3-VL).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -89,9 +90,11 @@ if TYPE_CHECKING:
 def is_vision_model(model: torch.nn.Module) -> bool:
     """True for a Qwen-VL-style model: a vision tower plus image placeholders."""
     config = getattr(model, "config", None)
-    return (getattr(config, "vision_config", None) is not None
-            and getattr(config, "image_token_id", None) is not None
-            and callable(getattr(model, "get_image_features", None)))
+    return (
+        getattr(config, "vision_config", None) is not None
+        and getattr(config, "image_token_id", None) is not None
+        and callable(getattr(model, "get_image_features", None))
+    )
 
 
 @dataclass(slots=True)
@@ -129,10 +132,13 @@ class VisionEncoder:
         for i, feature in enumerate(unique):
             embeds = out.pooler_output[i]
             if embeds.shape[0] != feature.length:
-                raise ValueError(f"image {feature.mm_hash}: the encoder made {embeds.shape[0]} "
-                                 f"embeddings for a placeholder of {feature.length} tokens")
+                raise ValueError(
+                    f"image {feature.mm_hash}: the encoder made {embeds.shape[0]} "
+                    f"embeddings for a placeholder of {feature.length} tokens"
+                )
             results[feature.mm_hash] = EncoderOutput(
-                embeds=embeds, deepstack=None if deepstack is None else [d[i] for d in deepstack])
+                embeds=embeds, deepstack=None if deepstack is None else [d[i] for d in deepstack]
+            )
         return results
 
 
@@ -141,12 +147,13 @@ def mm_token_type_ids(num_tokens: int, mm_features: Sequence[MultiModalFeature])
     models and generate() take as ``mm_token_type_ids``)."""
     types = torch.zeros(1, num_tokens, dtype=torch.int32)
     for f in mm_features:
-        types[0, f.offset:f.offset + f.length] = 1
+        types[0, f.offset : f.offset + f.length] = 1
     return types
 
 
 def get_mrope_positions(
-    model: torch.nn.Module, prompt_token_ids: Sequence[int],
+    model: torch.nn.Module,
+    prompt_token_ids: Sequence[int],
     mm_features: Sequence[MultiModalFeature],
 ) -> tuple[torch.Tensor, int]:
     """M-RoPE positions of a prompt: (LongTensor[3, len(prompt)] on CPU, delta).
@@ -161,19 +168,22 @@ def get_mrope_positions(
     input_ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
     grid_thw = torch.cat([f.data["image_grid_thw"] for f in features]).to(torch.long)
     positions, deltas = model.model.get_rope_index(
-        input_ids, mm_token_type_ids=mm_token_type_ids(num_tokens, features),
-        image_grid_thw=grid_thw.cpu())
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids(num_tokens, features),
+        image_grid_thw=grid_thw.cpu(),
+    )
     return positions[:, 0, :].cpu(), int(deltas.reshape(-1)[0])
 
 
-def mrope_positions_slice(prompt_positions: torch.Tensor, delta: int, start: int,
-                          end: int) -> torch.Tensor:
+def mrope_positions_slice(
+    prompt_positions: torch.Tensor, delta: int, start: int, end: int
+) -> torch.Tensor:
     """Positions [3, end - start] of tokens [start, end) of a request whose
     prompt positions and delta come from ``get_mrope_positions``."""
     prompt_len = prompt_positions.shape[1]
     parts = []
     if start < prompt_len:
-        parts.append(prompt_positions[:, start:min(end, prompt_len)])
+        parts.append(prompt_positions[:, start : min(end, prompt_len)])
     if end > prompt_len:
         beyond = torch.arange(max(start, prompt_len), end) + delta
         parts.append(beyond.expand(3, -1))
@@ -202,15 +212,17 @@ def merge_multimodal_embeddings(
                 continue
             out = encoder_outputs.get(f.mm_hash)
             if out is None:
-                raise KeyError(f"no encoder output for image {f.mm_hash} scheduled in "
-                               f"tokens [{start}, {end})")
+                raise KeyError(
+                    f"no encoder output for image {f.mm_hash} scheduled in tokens [{start}, {end})"
+                )
             # Sorted, non-overlapping features keep the rows ascending.
             batch_rows = torch.arange(row + lo - start, row + hi - start, device=device)
-            inputs_embeds[batch_rows] = out.embeds[lo - f.offset:hi - f.offset].to(
-                device, inputs_embeds.dtype)
+            inputs_embeds[batch_rows] = out.embeds[lo - f.offset : hi - f.offset].to(
+                device, inputs_embeds.dtype
+            )
             rows.append(batch_rows)
             if out.deepstack is not None:
-                deepstack.append([d[lo - f.offset:hi - f.offset] for d in out.deepstack])
+                deepstack.append([d[lo - f.offset : hi - f.offset] for d in out.deepstack])
     if not deepstack:
         return {}
     mask = torch.zeros(inputs_embeds.shape[0], dtype=torch.bool, device=device)
@@ -237,26 +249,48 @@ class VisionInputs:
         positions, delta = get_mrope_positions(self.model, prompt_token_ids, state.mm_features)
         state.mrope_positions, state.mrope_delta = positions.numpy(), delta
 
-    def forward(self, so: SchedulerOutput, step: StepInputs, requests: dict[str, RequestState],
-                input_ids: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        so: SchedulerOutput,
+        step: StepInputs,
+        requests: dict[str, RequestState],
+        input_ids: torch.Tensor,
+        meta,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
         # Only the images this run's requests show (a re-run over some of the
         # step's requests must not fail on another request's bad image).
         shown = {f.mm_hash for rid in step.req_ids for f in requests[rid].mm_features}
-        wanted = [f for rid, idx in so.scheduled_encoder_inputs.items()
-                  for f in (requests[rid].mm_features[i] for i in idx) if f.mm_hash in shown]
+        wanted = [
+            f
+            for rid, idx in so.scheduled_encoder_inputs.items()
+            for f in (requests[rid].mm_features[i] for i in idx)
+            if f.mm_hash in shown
+        ]
         if wanted:
             self.cache.update(self.encoder.encode(wanted))
         states = [requests[rid] for rid in step.req_ids]
         embeds = self.model.get_input_embeddings()(input_ids)
         first_rows = np.cumsum(step.query_lens) - step.query_lens
-        segments = [(int(first_rows[i]), int(step.starts[i]),
-                     int(step.starts[i] + step.query_lens[i]), s.mm_features)
-                    for i, s in enumerate(states) if s.mm_features]
+        segments = [
+            (
+                int(first_rows[i]),
+                int(step.starts[i]),
+                int(step.starts[i] + step.query_lens[i]),
+                s.mm_features,
+            )
+            for i, s in enumerate(states)
+            if s.mm_features
+        ]
         lm_kwargs = merge_multimodal_embeddings(embeds, segments, self.cache) if segments else {}
         positions = self._positions(step, states, first_rows).to(input_ids.device)
         hidden = self.model.model.language_model(
-            inputs_embeds=embeds[None], position_ids=positions[:, None, :], paged_attn=meta,
-            use_cache=False, **lm_kwargs).last_hidden_state
+            inputs_embeds=embeds[None],
+            position_ids=positions[:, None, :],
+            paged_attn=meta,
+            use_cache=False,
+            **lm_kwargs,
+        ).last_hidden_state
         return self.model.lm_head(hidden[0].index_select(0, keep))
 
     @staticmethod
@@ -270,5 +304,5 @@ class VisionInputs:
             if s.mm_features and start < prompt_end:
                 n = min(int(step.query_lens[i]), prompt_end - start)
                 row = int(first_rows[i])
-                positions[:, row:row + n] = s.mrope_positions[:, start:start + n]
+                positions[:, row : row + n] = s.mrope_positions[:, start : start + n]
         return torch.from_numpy(positions)

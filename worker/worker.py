@@ -1,4 +1,5 @@
 """Worker: one model replica with its KV cache, driven step by step."""
+
 from __future__ import annotations
 
 import torch
@@ -16,24 +17,39 @@ def default_device() -> str:
 class Worker:
     """Loads the model at construction; ``initialize`` allocates the KV cache."""
 
-    def __init__(self, model: str, *, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device | None = None, attention_backend: str = "auto",
-                 trust_remote_code: bool = False, revision: str | None = None,
-                 kv_cache_dtype: str = "auto", seed: int | None = None,
-                 parallel: ParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        attention_backend: str = "auto",
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        kv_cache_dtype: str = "auto",
+        seed: int | None = None,
+        parallel: ParallelGroup | None = None,
+    ) -> None:
         """``seed`` seeds torch's global generator, which requests without a
         seed of their own draw from (vLLM's ``seed`` engine argument).
         ``parallel``: this rank's tensor-parallel group (worker/parallel)."""
         if seed is not None:
             torch.manual_seed(seed)
         self.model_name = model
-        self.model_runner = ModelRunner(model, dtype=dtype, device=device or default_device(),
-                                        attention_backend=attention_backend,
-                                        trust_remote_code=trust_remote_code, revision=revision,
-                                        kv_cache_dtype=kv_cache_dtype, parallel=parallel)
+        self.model_runner = ModelRunner(
+            model,
+            dtype=dtype,
+            device=device or default_device(),
+            attention_backend=attention_backend,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            kv_cache_dtype=kv_cache_dtype,
+            parallel=parallel,
+        )
 
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
         """Allocate the KV cache; returns its size (device blocks, block 0
         included, and host tier slots). ``cache_config`` is not written to."""
         num_blocks = self.model_runner.initialize_kv_cache(cache_config, scheduler_config)

@@ -7,6 +7,7 @@ Freed blocks without a hash (a partial last block, or caching off) go to the
 head of the queue, so they are reused before any cached block is evicted:
 the queue is always the hash-less blocks, then the cached ones in LRU order.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -89,9 +90,14 @@ class BlockPool:
     reuse: the device tier spills it to the host and reports it (KV events),
     the host tier reports it. See core/kv/tiering.py."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, *,
-                 reserve_null_block: bool = True,
-                 on_evict: Callable[[KVCacheBlock], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        *,
+        reserve_null_block: bool = True,
+        on_evict: Callable[[KVCacheBlock], None] | None = None,
+    ) -> None:
         first = 1 if reserve_null_block else 0
         if num_blocks < first + 1:
             raise ValueError(f"num_blocks must be >= {first + 1}, got {num_blocks}")
@@ -191,22 +197,24 @@ class BlockPool:
         assert len(free) == self.free_queue.num_free, "free count out of sync"
         free_ids = {b.block_id for b in free}
         assert len(free_ids) == len(free), "a block is in the free queue twice"
-        usable = self.blocks[self.num_blocks - self.num_usable:]
+        usable = self.blocks[self.num_blocks - self.num_usable :]
         if self.null_block is not None:
             assert 0 not in free_ids, "the null block is in the free queue"
         for block in usable:
             assert block.ref_cnt >= 0, f"{block} has a negative ref count"
-            assert (block.ref_cnt == 0) == (block.block_id in free_ids), \
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
                 f"{block}: free iff unreferenced"
+            )
         referenced = sum(1 for b in usable if b.ref_cnt > 0)
         assert referenced + len(free) == self.num_usable, "blocks leaked"
         for h, block in self.cached.items():
             assert block.block_hash == h, f"{block} cached under a stale hash"
         for block in self.blocks:
             if block.block_hash is not None:
-                assert self.cached.get(block.block_hash) is block, \
+                assert self.cached.get(block.block_hash) is block, (
                     f"{block} has a hash nobody can find"
-        first_cached = next((i for i, b in enumerate(free) if b.block_hash is not None),
-                            len(free))
-        assert all(b.block_hash is not None for b in free[first_cached:]), \
+                )
+        first_cached = next((i for i, b in enumerate(free) if b.block_hash is not None), len(free))
+        assert all(b.block_hash is not None for b in free[first_cached:]), (
             "a hash-less free block sits behind a cached one (it would evict a hit)"
+        )

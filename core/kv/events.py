@@ -13,6 +13,7 @@ sees any other batch whose seq is not the last one + 1 has missed events:
 its view is wrong until the next snapshot (``KVEventReplayer`` raises
 ``KVEventGap``), and it should subscribe again.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,7 @@ TIERS = (DEVICE, HOST)
 @dataclass(slots=True)
 class BlockStored:
     block_hash: bytes
-    parent_hash: bytes | None   # None for the first block of a sequence
+    parent_hash: bytes | None  # None for the first block of a sequence
     token_ids: list[int]
     tier: str
 
@@ -88,8 +89,9 @@ class KVEventSubscription:
         """The next batch (a snapshot after falling behind), or None after
         ``timeout`` seconds or once closed."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._queue or self._lagging or self.closed,
-                                       timeout):
+            if not self._cond.wait_for(
+                lambda: self._queue or self._lagging or self.closed, timeout
+            ):
                 return None
             if self.closed:
                 return None
@@ -113,15 +115,19 @@ class KVEventPublisher:
         self._seq = 0
         self._subs: set[KVEventSubscription] = set()
         # As of batch _seq, under the lock: tier -> hash -> (parent, tokens).
-        self._state: dict[str, dict[bytes, tuple[bytes | None, list[int]]]] = \
-            {t: {} for t in TIERS}
+        self._state: dict[str, dict[bytes, tuple[bytes | None, list[int]]]] = {t: {} for t in TIERS}
         # Engine thread only: parent and tokens of hashes some tier holds or
         # is about to (a block spilled to the host is stored without them).
         self._meta: dict[bytes, tuple[bytes | None, list[int]]] = {}
 
     # -- engine thread -----------------------------------------------------------
-    def stored(self, block_hash: bytes, tier: str, parent_hash: bytes | None = None,
-               token_ids: list[int] | None = None) -> None:
+    def stored(
+        self,
+        block_hash: bytes,
+        tier: str,
+        parent_hash: bytes | None = None,
+        token_ids: list[int] | None = None,
+    ) -> None:
         if token_ids is None:
             parent_hash, token_ids = self._meta[block_hash]
         else:
@@ -150,8 +156,10 @@ class KVEventPublisher:
         state = self._state
         for e in events:
             if type(e) is BlockStored:
-                state[e.tier][e.block_hash] = self._meta[e.block_hash] = \
-                    (e.parent_hash, e.token_ids)
+                state[e.tier][e.block_hash] = self._meta[e.block_hash] = (
+                    e.parent_hash,
+                    e.token_ids,
+                )
             elif type(e) is BlockRemoved:
                 state[e.tier].pop(e.block_hash, None)
                 # Forget the tokens of a hash no tier holds any more.
@@ -198,8 +206,10 @@ class KVEventReplayer:
             if self.last_seq is None:
                 raise KVEventGap("the first batch of a subscription must be a snapshot")
             if batch.seq != self.last_seq + 1:
-                raise KVEventGap(f"expected batch {self.last_seq + 1}, got {batch.seq}: "
-                                 "events were lost; resubscribe for a snapshot")
+                raise KVEventGap(
+                    f"expected batch {self.last_seq + 1}, got {batch.seq}: "
+                    "events were lost; resubscribe for a snapshot"
+                )
         self.last_seq = batch.seq
         for e in batch.events:
             if type(e) is BlockStored:

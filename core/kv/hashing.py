@@ -13,6 +13,7 @@ another client's cached KV. xxhash is offered as an opt-in for speed; it is
 not collision resistant, so it is seeded (``hash_seed``, else a random seed
 drawn once per process) and colliding prompts cannot be computed in advance.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,9 @@ def _hash_fn(algo: str, seed: int | None = None) -> Callable[[bytes], bytes]:
         try:
             import xxhash
         except ImportError as e:  # pragma: no cover - depends on the extra
-            raise ValueError("hash_algo='xxhash' needs the xxhash package "
-                             "(pip install 'tokenbudget[fast-hash]')") from e
+            raise ValueError(
+                "hash_algo='xxhash' needs the xxhash package (pip install 'tokenbudget[fast-hash]')"
+            ) from e
         xxh3 = xxhash.xxh3_128_digest
         seed = _PROCESS_SEED if seed is None else seed
         return lambda data: xxh3(data, seed)
@@ -64,13 +66,16 @@ class BlockHasher:
             return hashes
         parent = hashes[-1] if hashes else b""
         # One conversion for all new blocks, then byte slices per block.
-        data = array("q", tokens[start:start + num_full * bs]).tobytes()
+        data = array("q", tokens[start : start + num_full * bs]).tobytes()
         stride = bs * 8  # int64 tokens
-        plain = not request.mm_features and request.lora_id is None \
+        plain = (
+            not request.mm_features
+            and request.lora_id is None
             and (request.cache_salt is None or start > 0)
+        )
         h = self._hash
         for k in range(num_full):
-            payload = parent + data[k * stride:(k + 1) * stride]
+            payload = parent + data[k * stride : (k + 1) * stride]
             if not plain:
                 payload += self._extra_keys(request, start + k * bs, start + (k + 1) * bs)
             parent = h(payload)

@@ -1,5 +1,6 @@
 """Per-request block tables on top of the block pool: prefix-cache lookup,
 all-or-nothing slot allocation, caching of newly full blocks, freeing."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,10 +17,17 @@ OnStore = Callable[[bytes, bytes | None, list[int]], None]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
-                 hash_algo: str = "sha256", hash_seed: int | None = None, *,
-                 on_evict: Callable[[KVCacheBlock], None] | None = None,
-                 on_store: OnStore | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed: int | None = None,
+        *,
+        on_evict: Callable[[KVCacheBlock], None] | None = None,
+        on_store: OnStore | None = None,
+    ) -> None:
         """``on_evict`` and ``on_store`` tell the host tier and the KV events
         (core/kv/tiering.py) of blocks leaving and joining the prefix cache."""
         self.block_size = block_size
@@ -74,10 +82,14 @@ class KVCacheManager:
         return n
 
     # -- allocation --------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones
         (plus prefix hits and lookahead slots). All or nothing: returns the new
         block ids, or None when the pool is short and nothing changed."""
@@ -116,12 +128,14 @@ class KVCacheManager:
         if self.enable_caching:
             # Only tokens whose ids are known can be hashed: not drafts, not
             # async placeholders.
-            self._cache_full_blocks(request, blocks,
-                                    min(num_computed + num_new_tokens, request.num_tokens))
+            self._cache_full_blocks(
+                request, blocks, min(num_computed + num_new_tokens, request.num_tokens)
+            )
         return [b.block_id for b in new_blocks]
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                           num_tokens: int) -> None:
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
         num_full = num_tokens // self.block_size
         req_id = request.request_id
         start = self.num_cached_blocks[req_id]
@@ -133,8 +147,11 @@ class KVCacheManager:
         for i in range(start, num_full):
             if cache(blocks[i], hashes[i]) and on_store is not None:
                 bs = self.block_size
-                on_store(hashes[i], hashes[i - 1] if i else None,
-                         request.all_token_ids[i * bs:(i + 1) * bs])
+                on_store(
+                    hashes[i],
+                    hashes[i - 1] if i else None,
+                    request.all_token_ids[i * bs : (i + 1) * bs],
+                )
         self.num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -26,6 +26,7 @@ swap-out, then every swap-in, then the step's forward. That order is safe:
   would have computed this step lose their hash (``_uncache_uncomputed``) and
   a swap covers only the tokens computed before this step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,15 +63,25 @@ class KVTiering:
         # swapped-out request owns it or while a copy reads it this step; an
         # unreferenced slot with a hash stays findable (the second tier of the
         # prefix cache) until it is reused, least recently used first.
-        self.host = BlockPool(n, reserve_null_block=False,
-                              on_evict=self._on_host_evict if events is not None else None) \
-            if n else None
+        self.host = (
+            BlockPool(
+                n,
+                reserve_null_block=False,
+                on_evict=self._on_host_evict if events is not None else None,
+            )
+            if n
+            else None
+        )
         spill = self.host is not None or events is not None
         self.kv = kv = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size,
-            cache_config.enable_prefix_caching, cache_config.hash_algo, cache_config.hash_seed,
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.hash_algo,
+            cache_config.hash_seed,
             on_evict=self._on_device_evict if spill else None,
-            on_store=self._on_device_store if events is not None else None)
+            on_store=self._on_device_store if events is not None else None,
+        )
         self.block_size = kv.block_size
         self.load_budget = cache_config.kv_load_blocks_per_step
         self.swapped: dict[str, SwappedKV] = {}
@@ -82,9 +93,9 @@ class KVTiering:
         # Preempted request -> tokens it had computed, to count recomputation.
         self._computed_before: dict[str, int] = {}
         self.num_recomputed_tokens = 0
-        self.num_swapped_out_blocks = 0   # copies device -> host (swaps and spills)
-        self.num_swapped_in_blocks = 0    # copies host -> device
-        self.num_host_hit_tokens = 0      # prefix tokens loaded from the host tier
+        self.num_swapped_out_blocks = 0  # copies device -> host (swaps and spills)
+        self.num_swapped_in_blocks = 0  # copies host -> device
+        self.num_host_hit_tokens = 0  # prefix tokens loaded from the host tier
 
     def take_over_events(self, old: KVTiering) -> None:
         """Publish on ``old``'s publisher, so its subscribers stay (a fresh
@@ -118,7 +129,7 @@ class KVTiering:
         # Blocks this step filled at scheduling time are hashed already, but a
         # victim's step is taken back: their KV will never be computed.
         pool = self.kv.block_pool
-        for block in blocks[computed // self.block_size:]:
+        for block in blocks[computed // self.block_size :]:
             h = block.block_hash
             if h is not None and block.ref_cnt == 1 and pool.cached.get(h) is block:
                 pool.uncache(block)
@@ -174,16 +185,18 @@ class KVTiering:
         if self.events is not None:
             self.events.removed(h, DEVICE)
 
-    def _on_device_store(self, block_hash: bytes, parent_hash: bytes | None,
-                         token_ids: list[int]) -> None:
+    def _on_device_store(
+        self, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int]
+    ) -> None:
         self.events.stored(block_hash, DEVICE, parent_hash, token_ids)
 
     def _on_host_evict(self, slot: KVCacheBlock) -> None:
         self.events.removed(slot.block_hash, HOST)
 
     # -- admission -----------------------------------------------------------------
-    def plan_load(self, req: Request, hits: list[KVCacheBlock],
-                  num_cached: int) -> tuple[list[KVCacheBlock], int] | None:
+    def plan_load(
+        self, req: Request, hits: list[KVCacheBlock], num_cached: int
+    ) -> tuple[list[KVCacheBlock], int] | None:
         """The host slots to load after the device ``hits`` and the tokens then
         computed; None when a swapped request must wait for the load budget.
         The slots are pinned at once (allocating the request's device blocks
@@ -199,7 +212,7 @@ class KVTiering:
             total = min(record.num_tokens, req.num_tokens - 1)
             if len(hits) * bs >= total:
                 return [], num_cached
-            slots = record.slots[len(hits):-(-total // bs)]
+            slots = record.slots[len(hits) : -(-total // bs)]
             if self._loaded and self._loaded + len(slots) > self.load_budget:
                 return None
             self._pin(slots)
@@ -211,7 +224,7 @@ class KVTiering:
         room = self.load_budget - self._loaded if self._loaded else max_blocks
         slots = []
         get = host.cached.get
-        for h in hashes[len(hits):max_blocks]:
+        for h in hashes[len(hits) : max_blocks]:
             slot = get(h)
             if slot is None or len(slots) >= room:
                 break
@@ -227,11 +240,12 @@ class KVTiering:
     def cancel_load(self, slots: list[KVCacheBlock]) -> None:
         """The request planned with ``slots`` was not admitted."""
         if slots:
-            del self._pinned[-len(slots):]
+            del self._pinned[-len(slots) :]
             self.host.free_blocks(slots)
 
-    def commit_load(self, req: Request, hits: list[KVCacheBlock], slots: list[KVCacheBlock],
-                    num_cached: int) -> None:
+    def commit_load(
+        self, req: Request, hits: list[KVCacheBlock], slots: list[KVCacheBlock], num_cached: int
+    ) -> None:
         """``req`` was admitted with ``num_cached`` tokens computed, ``slots``
         loading into the device blocks right after its ``hits``."""
         rid = req.request_id
@@ -242,8 +256,9 @@ class KVTiering:
         if slots:
             blocks = self.kv.req_to_blocks[rid]
             start = len(hits)
-            self._swap_in.extend((s.block_id, blocks[start + j].block_id)
-                                 for j, s in enumerate(slots))
+            self._swap_in.extend(
+                (s.block_id, blocks[start + j].block_id) for j, s in enumerate(slots)
+            )
             self._loaded += len(slots)
             self.num_swapped_in_blocks += len(slots)
             if rid not in self.swapped:
@@ -267,8 +282,11 @@ class KVTiering:
             pairs = self._swap_out
             # A slot spilled to twice this step keeps the last block.
             last = {slot: block for block, slot in pairs}
-            out.kv_swap_out = pairs if len(last) == len(pairs) else \
-                [(block, slot) for slot, block in last.items()]
+            out.kv_swap_out = (
+                pairs
+                if len(last) == len(pairs)
+                else [(block, slot) for slot, block in last.items()]
+            )
             self._swap_out = []
         if self._swap_in:
             out.kv_swap_in, self._swap_in = self._swap_in, []
@@ -300,8 +318,9 @@ class KVTiering:
 
     def check_invariants(self) -> None:
         """Between steps: every host reference is a swapped request's."""
-        assert not self._pinned and not self._swap_out and not self._swap_in, \
+        assert not self._pinned and not self._swap_out and not self._swap_in, (
             "copies left over from a step"
+        )
         if self.host is None:
             assert not self.swapped, "swapped requests without a host tier"
             return
@@ -311,5 +330,6 @@ class KVTiering:
             for slot in record.slots:
                 refs[slot.block_id] = refs.get(slot.block_id, 0) + 1
         for slot in self.host.blocks:
-            assert slot.ref_cnt == refs.get(slot.block_id, 0), \
+            assert slot.ref_cnt == refs.get(slot.block_id, 0), (
                 f"host {slot}: {refs.get(slot.block_id, 0)} swapped requests hold it"
+            )

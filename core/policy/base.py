@@ -23,6 +23,7 @@ on_scheduled                slo (tokens), fair share (charge), reserve
 Policies sit below the scheduler and may not import it; ``StepView`` is what
 they see of its step ledger (core/sched/step.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -77,14 +78,14 @@ class SchedulingPolicy(Protocol):
         ``running`` itself, or a copy."""
         return running
 
-    def order_waiting(self, step: StepView, waiting, running: list[Request],
-                      kv: KVCacheManager) -> Admission | None:
+    def order_waiting(
+        self, step: StepView, waiting, running: list[Request], kv: KVCacheManager
+    ) -> Admission | None:
         """Before admission (when a seat and budget are left): order
         ``waiting`` in place; None or what admission must skip or refuse."""
         return None
 
-    def admits(self, req: Request, num_new: int, hits: list[KVCacheBlock],
-               num_cached: int) -> bool:
+    def admits(self, req: Request, num_new: int, hits: list[KVCacheBlock], num_cached: int) -> bool:
         """Whether ``req`` may take ``num_new`` tokens' blocks now (its
         ``hits`` are prefix-cache blocks covering ``num_cached`` tokens)."""
         return True
@@ -96,15 +97,17 @@ class SchedulingPolicy(Protocol):
         """The running request to preempt when memory is short."""
         return running[-1]
 
-    def displacement_candidates(self, head: Request,
-                                running: list[Request]) -> Iterable[Request] | None:
+    def displacement_candidates(
+        self, head: Request, running: list[Request]
+    ) -> Iterable[Request] | None:
         """Running requests the waiting ``head`` may displace, in the order
         they are taken (lazily: the plan stops once the head fits); None
         when this policy never displaces."""
         return None
 
-    def on_scheduled(self, step: StepView, running: list[Request],
-                     requests: Mapping[str, Request]) -> None:
+    def on_scheduled(
+        self, step: StepView, running: list[Request], requests: Mapping[str, Request]
+    ) -> None:
         """The step is scheduled (``requests``: every unfinished one by id)."""
 
 

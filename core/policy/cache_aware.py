@@ -11,6 +11,7 @@ SGLang's admission reserve (``new_token_ratio``) is in core/policy/reserve.py.
 Cache-aware policies measure a waiting request's cached prefix with our block
 hash index: the number of leading block hashes found in the block pool.
 """
+
 from __future__ import annotations
 
 import random
@@ -43,8 +44,11 @@ def cached_prefix_blocks(kv: KVCacheManager, req: Request, hint: int = -1) -> in
     """
     hashes = req.block_hashes
     cached = kv.block_pool.cached
-    if 0 <= hint <= len(hashes) and (hint == 0 or hashes[hint - 1] in cached) and \
-            (hint == len(hashes) or hashes[hint] not in cached):
+    if (
+        0 <= hint <= len(hashes)
+        and (hint == 0 or hashes[hint - 1] in cached)
+        and (hint == len(hashes) or hashes[hint] not in cached)
+    ):
         return hint
     lo, hi = 0, len(hashes)
     while lo < hi:
@@ -83,7 +87,7 @@ class WaitingOrder(SchedulingPolicy):
         reqs = list(waiting)
         rest: list[Request] = []
         if self.policy == "dfs-weight" and len(reqs) > self.window:
-            reqs, rest = reqs[:self.window], reqs[self.window:]
+            reqs, rest = reqs[: self.window], reqs[self.window :]
         aged: list[Request] = []
         if self.aging_s > 0 and self.policy in CACHE_AWARE_POLICIES:
             # Cache-cold requests can starve behind a stream of hot ones;
@@ -109,13 +113,15 @@ class WaitingOrder(SchedulingPolicy):
             self._rng.shuffle(reqs)
         ordered = aged + reqs
         if deprioritized:
-            ordered = [r for r in ordered if r.request_id not in deprioritized] + \
-                [r for r in ordered if r.request_id in deprioritized]
+            ordered = [r for r in ordered if r.request_id not in deprioritized] + [
+                r for r in ordered if r.request_id in deprioritized
+            ]
         waiting.reorder(ordered + rest if rest else ordered)
         return deprioritized
 
-    def order_waiting(self, step: StepView, waiting: FCFSQueue, running: list[Request],
-                      kv: KVCacheManager) -> Admission | None:
+    def order_waiting(
+        self, step: StepView, waiting: FCFSQueue, running: list[Request], kv: KVCacheManager
+    ) -> Admission | None:
         deprioritized = self.reorder(waiting, kv, step.now)
         return Admission(deprioritized, []) if deprioritized else None
 
@@ -171,7 +177,7 @@ def _dfs_weight_order(reqs: list[Request], prefix: dict[int, int]) -> list[Reque
             continue
         first = members[0]
         parent = root
-        for h in first.block_hashes[:prefix[id(first)]]:
+        for h in first.block_hashes[: prefix[id(first)]]:
             if h not in weight:
                 weight[h] = 0
                 children.setdefault(parent, []).append(h)
@@ -208,8 +214,9 @@ def make_victim_picker(config: SchedulerConfig) -> Callable[[list[Request]], Req
     the worst priority) or SGLang's retract order (fewest generated tokens
     first, then the longest prompt: the cheapest to recompute per token lost)."""
     if config.preemption_mode == "retract":
-        return lambda running: min(running, key=lambda r: (r.num_output_tokens,
-                                                           -r.num_prompt_tokens))
+        return lambda running: min(
+            running, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens)
+        )
     if config.policy == "priority":
         sign = -1 if config.priority_descending else 1
         return lambda running: max(running, key=lambda r: (sign * r.priority, r.arrival_time))

@@ -1,5 +1,6 @@
 """The policy the config asks for: its waiting queue, and one
 SchedulingPolicy composed of the parts it turns on."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -21,14 +22,12 @@ if TYPE_CHECKING:
     from tokenbudget.core.request import Request
 
 # Hooks every implementing part runs for, in order (their results combined).
-_EACH = ("begin_step", "order_running", "order_waiting", "admits", "on_admitted",
-         "on_scheduled")
+_EACH = ("begin_step", "order_running", "order_waiting", "admits", "on_admitted", "on_scheduled")
 # Hooks only the first implementing part answers.
 _FIRST = ("pick_victim", "displacement_candidates")
 
 
-def create_queue(policy: str,
-                 descending: bool = False) -> FCFSQueue | PriorityQueue | SLOQueue:
+def create_queue(policy: str, descending: bool = False) -> FCFSQueue | PriorityQueue | SLOQueue:
     if policy == "priority":
         return PriorityQueue(descending)
     # slo: kept in deadline order as requests come (core/policy/slo_queue.py).
@@ -92,12 +91,14 @@ class PolicySet(SchedulingPolicy):
             for f in impls:
                 running = f(running, now)
             return running
+
         return order_running
 
     @staticmethod
     def _all_order_waiting(impls: list[Callable]) -> Callable:
-        def order_waiting(step: StepView, waiting, running: list[Request],
-                          kv: KVCacheManager) -> Admission | None:
+        def order_waiting(
+            step: StepView, waiting, running: list[Request], kv: KVCacheManager
+        ) -> Admission | None:
             deprioritized: set[str] = set()
             late: list[Request] = []
             for f in impls:
@@ -106,6 +107,7 @@ class PolicySet(SchedulingPolicy):
                     deprioritized |= got.deprioritized
                     late += got.late
             return Admission(deprioritized, late) if deprioritized or late else None
+
         return order_waiting
 
 

@@ -14,6 +14,7 @@ are capped at its weighted share of the step's token budget
 (``fair_share_chunk_cap``): the step time its prefills add, and so the
 others' time per output token, is bounded by its share.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -46,8 +47,9 @@ class FairShare(SchedulingPolicy):
     def charge(self, tenant: str | None, num_tokens: int) -> None:
         self.vtime[tenant] = self.vtime.get(tenant, 0.0) + num_tokens / self.weight(tenant)
 
-    def chunk_caps(self, running: list[Request], waiting: FCFSQueue,
-                   budget: int) -> dict[str | None, int] | None:
+    def chunk_caps(
+        self, running: list[Request], waiting: FCFSQueue, budget: int
+    ) -> dict[str | None, int] | None:
         """Per tenant with work (running or waiting), the prompt tokens it
         may get this step: its weighted share of ``budget``, at least 1.
         None when fewer than two tenants have work."""
@@ -58,8 +60,9 @@ class FairShare(SchedulingPolicy):
         total = sum(self.weight(t) for t in tenants)
         return {t: max(int(budget * self.weight(t) / total), 1) for t in tenants}
 
-    def seats(self, running: list[Request], newcomer: str | None,
-              max_num_seqs: int) -> dict[str | None, float]:
+    def seats(
+        self, running: list[Request], newcomer: str | None, max_num_seqs: int
+    ) -> dict[str | None, float]:
         """Running requests per tenant minus its weighted share of
         ``max_num_seqs`` among the tenants running or arriving (> 0: above
         its share)."""
@@ -91,8 +94,10 @@ class FairShare(SchedulingPolicy):
         seated: dict[str | None, int] = {}
         for r in running:
             seated[r.tenant] = seated.get(r.tenant, 0) + 1
-        heap = [(vtime.get(t, 0.0), seated.get(t, 0) / self.weight(t), reqs[0].arrival_time,
-                 i, t) for i, (t, reqs) in enumerate(per_tenant.items())]
+        heap = [
+            (vtime.get(t, 0.0), seated.get(t, 0) / self.weight(t), reqs[0].arrival_time, i, t)
+            for i, (t, reqs) in enumerate(per_tenant.items())
+        ]
         heapq.heapify(heap)
         position = dict.fromkeys(per_tenant, 0)
         ordered: list[Request] = []
@@ -105,8 +110,9 @@ class FairShare(SchedulingPolicy):
             if position[t] < len(reqs):
                 # What admitting r will cost this tenant: its prefill.
                 cost = r.num_tokens - r.num_computed_tokens
-                heapq.heappush(heap, (v + cost / self.weight(t), share,
-                                      reqs[position[t]].arrival_time, i, t))
+                heapq.heappush(
+                    heap, (v + cost / self.weight(t), share, reqs[position[t]].arrival_time, i, t)
+                )
         waiting.reorder(ordered)
 
     # -- SchedulingPolicy ----------------------------------------------------------
@@ -116,8 +122,9 @@ class FairShare(SchedulingPolicy):
         if self.cap_chunks:
             step.tenant_caps = self.chunk_caps(running, waiting, self.budget)
 
-    def order_waiting(self, step: StepView, waiting, running: list[Request],
-                      kv: KVCacheManager) -> Admission | None:
+    def order_waiting(
+        self, step: StepView, waiting, running: list[Request], kv: KVCacheManager
+    ) -> Admission | None:
         self.order(waiting, running)
         return None
 
@@ -127,21 +134,24 @@ class FairShare(SchedulingPolicy):
         worst = max((r.tenant for r in running), key=lambda t: seats[t])
         return next(r for r in reversed(running) if r.tenant == worst)
 
-    def displacement_candidates(self, head: Request,
-                                running: list[Request]) -> Iterator[Request]:
+    def displacement_candidates(self, head: Request, running: list[Request]) -> Iterator[Request]:
         """A tenant below its share of the running seats takes them from the
         tenants above their share, latest admitted first (their blocks stay
         in the prefix cache for their return)."""
         seats = self.seats(running, head.tenant, self.max_num_seqs)
         for r in reversed(running):
-            if r.tenant == head.tenant or seats.get(r.tenant, 0.0) <= 0 or \
-                    seats.get(head.tenant, 0.0) >= 0:
+            if (
+                r.tenant == head.tenant
+                or seats.get(r.tenant, 0.0) <= 0
+                or seats.get(head.tenant, 0.0) >= 0
+            ):
                 continue
             seats[r.tenant] -= 1
             seats[head.tenant] += 1
             yield r
 
-    def on_scheduled(self, step: StepView, running: list[Request],
-                     requests: Mapping[str, Request]) -> None:
+    def on_scheduled(
+        self, step: StepView, running: list[Request], requests: Mapping[str, Request]
+    ) -> None:
         for rid, n in step.num_scheduled.items():
             self.charge(requests[rid].tenant, n)

@@ -1,6 +1,7 @@
 """Priority displacement (policy priority): the best waiting request may
 take the place of running requests whose priority is worse by more than
 ``priority_preemption_threshold``."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,5 +23,8 @@ class PriorityDisplacement(SchedulingPolicy):
         threshold, worst first (the latest arrival first among equals)."""
         sign = self.sign
         bar = sign * head.priority + self.threshold
-        return sorted((r for r in running if sign * r.priority > bar),
-                      key=lambda r: (sign * r.priority, r.arrival_time), reverse=True)
+        return sorted(
+            (r for r in running if sign * r.priority > bar),
+            key=lambda r: (sign * r.priority, r.arrival_time),
+            reverse=True,
+        )

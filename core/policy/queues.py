@@ -4,6 +4,7 @@ Cache-aware policies (core/policy/cache_aware.py) reorder the FCFS queue each
 step; policy slo has its own queue (core/policy/slo_queue.py). create_queue
 (core/policy/factory.py) makes the configured one.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -65,8 +66,10 @@ class PriorityQueue:
         self._sign = -1 if descending else 1
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._sign * request.priority, request.arrival_time,
-                                    next(self._seq), request))
+        heapq.heappush(
+            self._heap,
+            (self._sign * request.priority, request.arrival_time, next(self._seq), request),
+        )
 
     prepend = add
 
@@ -101,4 +104,3 @@ class PriorityQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._heap))
-

@@ -1,5 +1,6 @@
 """SGLang's ``new_token_ratio``: admit a request only if the running
 requests' expected future tokens still fit."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -64,16 +65,16 @@ class AdmissionReserve(SchedulingPolicy):
     def begin_step(self, step: StepView, running: list[Request], waiting) -> None:
         self.on_step()
 
-    def order_waiting(self, step: StepView, waiting, running: list[Request],
-                      kv: KVCacheManager) -> Admission | None:
+    def order_waiting(
+        self, step: StepView, waiting, running: list[Request], kv: KVCacheManager
+    ) -> Admission | None:
         # Not an order: the start of an admission round.
         self._reserved = self.reserve_blocks(running)
         self._running = running
         self._kv = kv
         return None
 
-    def admits(self, req: Request, num_new: int, hits: list[KVCacheBlock],
-               num_cached: int) -> bool:
+    def admits(self, req: Request, num_new: int, hits: list[KVCacheBlock], num_cached: int) -> bool:
         """Whether the running requests' expected growth, and this request's
         own, still fit after its blocks are taken."""
         if not self._running:

@@ -20,6 +20,7 @@ admitted late with a close deadline thus gets its chunk before an earlier
 one with time to spare; one that will miss its deadline anyway goes last,
 with those that have none.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,7 @@ class SLOOrder(SchedulingPolicy):
         self._last_tokens = 0
 
     def on_schedule(self, now: float, busy: bool) -> None:
-        if busy and not self.fixed_step_s and self._last_schedule is not None and \
-                self._last_tokens:
+        if busy and not self.fixed_step_s and self._last_schedule is not None and self._last_tokens:
             dt = now - self._last_schedule
             self.step_s = dt if not self.step_s else 0.8 * self.step_s + 0.2 * dt
         self._last_schedule = now
@@ -93,8 +93,9 @@ class SLOOrder(SchedulingPolicy):
         per_step = max(self.budget - num_decoding, 1)
         return waiting.arrange(self, now, per_step)
 
-    def order_all(self, waiting: list[Request], now: float,
-                  per_step: int) -> tuple[list[Request], list[Request], list[Request]]:
+    def order_all(
+        self, waiting: list[Request], now: float, per_step: int
+    ) -> tuple[list[Request], list[Request], list[Request]]:
         """The aged, on-time and late requests of ``waiting`` (in its current
         order, which breaks ties), each in the order they are served."""
         return slo_queue.order_all(waiting, now, per_step, self.aging_s, self.step_s)
@@ -106,13 +107,15 @@ class SLOOrder(SchedulingPolicy):
     def order_running(self, running: list[Request], now: float) -> list[Request]:
         return self.chunk_order(running, now)
 
-    def order_waiting(self, step: StepView, waiting, running: list[Request],
-                      kv: KVCacheManager) -> Admission | None:
+    def order_waiting(
+        self, step: StepView, waiting, running: list[Request], kv: KVCacheManager
+    ) -> Admission | None:
         decoding = sum(1 for r in running if r.num_computed_tokens >= r.num_tokens)
         late = self.reorder(waiting, step.now, decoding)
         # Refused early: they could not meet their TTFT target anyway.
         return Admission(set(), late) if late else None
 
-    def on_scheduled(self, step: StepView, running: list[Request],
-                     requests: Mapping[str, Request]) -> None:
+    def on_scheduled(
+        self, step: StepView, running: list[Request], requests: Mapping[str, Request]
+    ) -> None:
         self._last_tokens = sum(step.num_scheduled.values())

@@ -26,6 +26,7 @@ Between two arranges the queue is a view: requests put back in front
 Requests taken out are skipped lazily; the indexes change only in
 ``arrange``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,8 +62,13 @@ def deadline(req: Request) -> float:
     return req.arrival_time + req.ttft_ms / 1000.0
 
 
-def walk(rest: Iterable[tuple[float, float, int, Request]], ahead: int, now: float,
-         per_step: int, step_s: float) -> tuple[list[Request], list[Request]]:
+def walk(
+    rest: Iterable[tuple[float, float, int, Request]],
+    ahead: int,
+    now: float,
+    per_step: int,
+    step_s: float,
+) -> tuple[list[Request], list[Request]]:
     """Split ``rest`` ((deadline, arrival, position, request) in that
     order) into the requests that can still get their first token by
     their deadline with ``ahead`` prompt tokens before them, and the late."""
@@ -80,8 +86,9 @@ def walk(rest: Iterable[tuple[float, float, int, Request]], ahead: int, now: flo
     return on_time, late
 
 
-def order_all(waiting: list[Request], now: float, per_step: int, aging_s: float,
-              step_s: float) -> tuple[list[Request], list[Request], list[Request]]:
+def order_all(
+    waiting: list[Request], now: float, per_step: int, aging_s: float, step_s: float
+) -> tuple[list[Request], list[Request], list[Request]]:
     """The aged, on-time and late requests of ``waiting`` (in its current
     order, which breaks ties), each in the order they are served: the full
     re-sort that the queue's indexes stand in for."""
@@ -107,8 +114,9 @@ def order_all(waiting: list[Request], now: float, per_step: int, aging_s: float,
 class _Entry:
     __slots__ = ("deadline", "arrival", "seq", "req", "tokens", "aged")
 
-    def __init__(self, deadline: float, arrival: float, seq: int, req: Request,
-                 tokens: int) -> None:
+    def __init__(
+        self, deadline: float, arrival: float, seq: int, req: Request, tokens: int
+    ) -> None:
         self.deadline = deadline
         self.arrival = arrival
         self.seq = seq
@@ -283,8 +291,9 @@ class SLOQueue:
                 ahead += sum(r.num_tokens - r.num_computed_tokens for r in resumed)
             # Past their deadline: late in any walk, and first among the late.
             k = bisect_left(young, (now,), j)
-            on_time, late = walk(itertools.islice(young, k, None), ahead, now, per_step,
-                                 order.step_s)
+            on_time, late = walk(
+                itertools.islice(young, k, None), ahead, now, per_step, order.step_s
+            )
             if k > j:
                 late = [e[3] for e in itertools.islice(young, j, k)] + late
         self._front = deque()
@@ -315,8 +324,13 @@ class SLOQueue:
                 e.deadline, e.tokens, e.aged = due, tokens, False
                 self._index_young(e)
         for i, req in self._new.items():
-            e = _Entry(deadline(req), req.arrival_time, next(self._seq), req,
-                       req.num_tokens - req.num_computed_tokens)
+            e = _Entry(
+                deadline(req),
+                req.arrival_time,
+                next(self._seq),
+                req,
+                req.num_tokens - req.num_computed_tokens,
+            )
             entries[i] = e
             self._index_young(e)
         self._volatile |= self._prepended

@@ -1,5 +1,6 @@
 """Encoder (vision) inputs per chunk: which items a request's chunk must
 encode this step, within the step's encoder budget and the encoder cache."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,8 +15,7 @@ class EncoderBudget:
     def __init__(self, cache: EncoderCacheManager) -> None:
         self.cache = cache
 
-    def plan(self, req: Request, start: int, num_new: int,
-             step: Step) -> tuple[list[int], int]:
+    def plan(self, req: Request, start: int, num_new: int, step: Step) -> tuple[list[int], int]:
         """Encoder inputs to run for tokens [start, start + num_new), and the
         possibly shortened token count.
 

@@ -6,6 +6,7 @@ request with the same image skips the encoder, until space is needed: then
 they are evicted oldest first and their hashes are sent to the workers in
 ``SchedulerOutput.free_encoder_mm_hashes``.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -39,8 +40,9 @@ class EncoderCacheManager:
         refs.add(request.request_id)
         return True
 
-    def can_allocate(self, request: Request, input_id: int, compute_budget: int,
-                     num_embeds_to_schedule: int) -> bool:
+    def can_allocate(
+        self, request: Request, input_id: int, compute_budget: int, num_embeds_to_schedule: int
+    ) -> bool:
         """Whether the item fits this step's compute budget and the cache,
         evicting unreferenced entries (oldest first) only if that suffices."""
         num = request.mm_features[input_id].length

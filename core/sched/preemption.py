@@ -14,6 +14,7 @@ A preempted request goes back to the head of the waiting queue and
 recomputes later, or, with room in the host KV tier, has its KV swapped out
 and back in (core/kv/tiering.py).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -32,9 +33,15 @@ if TYPE_CHECKING:
 
 
 class Preemptor:
-    def __init__(self, policy: SchedulingPolicy, config: SchedulerConfig,
-                 kv: KVCacheManager, tiering: KVTiering, encoder_cache: EncoderCacheManager,
-                 waiting) -> None:
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        tiering: KVTiering,
+        encoder_cache: EncoderCacheManager,
+        waiting,
+    ) -> None:
         self.policy = policy
         self.kv = kv
         self.tiering = tiering
@@ -54,8 +61,9 @@ class Preemptor:
         in ``running``."""
         return self._preempt(req, step, running, step.preempted)
 
-    def _preempt(self, req: Request, step: Step, running: list[Request],
-                 into: list[Request]) -> int:
+    def _preempt(
+        self, req: Request, step: Step, running: list[Request], into: list[Request]
+    ) -> int:
         index = running.index(req)
         del running[index]
         step.unschedule(req)  # a victim may have been scheduled earlier this step

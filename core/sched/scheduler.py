@@ -8,23 +8,24 @@ running requests first, in order, then waiting ones in queue order.
 The step (``schedule``) names no policy: the configured ones act through one
 SchedulingPolicy (core/policy/base.py) and the Preemptor (preemption.py).
 Beside this module: step.py (the step's ledger and its SchedulerOutput),
-preemption.py, encoder_budget.py (encoder inputs per chunk), intake.py (the
-checks on arrival) and update.py (reading the step's reply).
+preemption.py, encoder_budget.py (encoder inputs per chunk), lifecycle.py
+(requests in and out) with intake.py (the checks on arrival), and update.py
+(reading the step's reply).
 """
+
 from __future__ import annotations
 
 import time
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
-from tokenbudget.core.failures import (DuplicateRequestError, QueueFullError, RequestFailure,
-                                       describe, error_of)
+from tokenbudget.core.failures import DuplicateRequestError, QueueFullError, describe
 from tokenbudget.core.kv.tiering import KVTiering
 from tokenbudget.core.outputs import RequestOutput, SchedulerOutput
 from tokenbudget.core.policy.factory import create_queue, make_policy
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.sched.encoder_budget import EncoderBudget
 from tokenbudget.core.sched.encoder_cache import EncoderCacheManager
-from tokenbudget.core.sched.intake import check_request
+from tokenbudget.core.sched.lifecycle import RequestLifecycle
 from tokenbudget.core.sched.preemption import Preemptor
 from tokenbudget.core.sched.stats import SchedulerStats, SpecDecodingStats
 from tokenbudget.core.sched.step import Step, chunk_size, fill_grammar_bitmask, grammar_bitmask
@@ -34,12 +35,19 @@ from tokenbudget.core.sched.update import UpdateFromOutput
 __all__ = ["DuplicateRequestError", "QueueFullError", "Scheduler", "SchedulerStats"]
 
 
-class Scheduler(UpdateFromOutput):
-    """Requests in and out, and the step (schedule). The step's reply is
-    read by update_from_output (core/sched/update.py)."""
+class Scheduler(RequestLifecycle, UpdateFromOutput):
+    """The step (schedule). Requests in and out are RequestLifecycle's
+    (core/sched/lifecycle.py); the step's reply is read by
+    update_from_output (core/sched/update.py)."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 structured_output_manager=None, *, defer_grammar_bitmask: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        structured_output_manager=None,
+        *,
+        defer_grammar_bitmask: bool = False,
+    ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -65,8 +73,14 @@ class Scheduler(UpdateFromOutput):
         # The configured policies, composed into one (core/policy/base.py), and
         # who preempts for them.
         self.policy = make_policy(scheduler_config, cache_config.block_size)
-        self.preemptor = Preemptor(self.policy, scheduler_config, self.kv_cache_manager,
-                                   self.kv_tiering, self.encoder_cache_manager, self.waiting)
+        self.preemptor = Preemptor(
+            self.policy,
+            scheduler_config,
+            self.kv_cache_manager,
+            self.kv_tiering,
+            self.encoder_cache_manager,
+            self.waiting,
+        )
         # Two parts under the names tests read them by (None when off).
         self._slo, self._order = (self.policy.parts.get(k) for k in ("slo", "order"))
         # Outputs produced outside a model step (queue evictions), returned by
@@ -76,122 +90,29 @@ class Scheduler(UpdateFromOutput):
         # Tokens the whole KV cache holds: a request needing more can never run.
         self._pool_tokens = (cache_config.num_blocks - 1) * cache_config.block_size
 
-    # -- requests in and out ------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        cfg = self.scheduler_config
-        if request.request_id in self.requests:
-            raise DuplicateRequestError(f"request_id {request.request_id!r} already exists")
-        check_request(request, cfg, self._pool_tokens, self.structured_output_manager is not None)
-        # Last check that can refuse: nothing may be registered before it.
-        if cfg.max_queued_requests and len(self.waiting) >= cfg.max_queued_requests:
-            self._make_room_in_queue(request)
-        if request.sampling_params.structured is not None:
-            self.structured_output_manager.add_request(request)
-            request.status = RequestStatus.WAITING_FOR_FSM
-        if self.cache_config.enable_prefix_caching:
-            # Hash the prompt's full blocks once, on arrival, off the step path.
-            self.kv_cache_manager.hasher.update(request)
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
-
-    def _make_room_in_queue(self, request: Request) -> None:
-        limit = self.scheduler_config.max_queued_requests
-        # A priority queue lets a strictly better newcomer take the worst one's place.
-        worst = self.waiting.evictable_for(request)
-        if worst is None:
-            raise QueueFullError(f"the waiting queue is full (max_queued_requests={limit}); "
-                                 "retry later")
-        reason = (f"evicted from the full waiting queue (max_queued_requests={limit}) by a "
-                  "higher-priority request; retry later")
-        # As an error, so its client gets the status it would have had on arrival.
-        self._finish_with_output(worst, RequestStatus.FINISHED_ABORTED, reason,
-                                 QueueFullError(reason))
-
-    def finish_requests(self, request_ids, finished_status: RequestStatus) -> list[str]:
-        """Finish (abort) requests at once, freeing their blocks. Unknown or
-        already finished ids are skipped; returns the ids that were finished."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        assert RequestStatus.is_finished(finished_status)
-        done: list[Request] = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                done.append(req)
-        if not done:
-            return []
-        running = [r for r in done if r.status == RequestStatus.RUNNING]
-        if running:
-            gone = {id(r) for r in running}
-            self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting.remove_requests([r for r in done if r.status != RequestStatus.RUNNING])
-        for req in done:
-            self._free_request(req, finished_status)
-        return [r.request_id for r in done]
-
-    def _free_request(self, req: Request, status: RequestStatus) -> None:
-        req.status = status
-        self.kv_cache_manager.free(req)
-        self.kv_tiering.on_free(req)
-        if req.mm_features:
-            self.encoder_cache_manager.free(req)
-        if req.structured_request is not None and self.structured_output_manager is not None:
-            self.structured_output_manager.remove_request(req)
-        self.finished_req_ids.add(req.request_id)
-        del self.requests[req.request_id]
-
-    def take_side_outputs(self) -> list[RequestOutput]:
-        """Outputs that arose outside a model step (queue evictions)."""
-        outputs, self._side_outputs = self._side_outputs, []
-        return outputs
-
-    def _finish_with_output(self, req: Request, status: RequestStatus, reason: str,
-                            error: Exception | None = None) -> None:
-        """Finish ``req`` outside a model step; its reader gets the output
-        (``reason``, and ``error`` to raise) from the next update_from_output."""
-        self.finish_requests([req.request_id], status)
-        req.stop_reason = reason
-        self._side_outputs.append(RequestOutput(
-            req.request_id, [], RequestStatus.finish_reason(status), None,
-            max(req.num_cached_tokens, 0), reason, error))
-
-    def _fail_requests(self, failed: dict[str, RequestFailure]) -> None:
-        """Finish requests that failed in the engine, each with its error (an
-        output for its reader); the others are not touched."""
-        for rid, failure in failed.items():
-            req = self.requests.get(rid)
-            if req is None:
-                continue  # finished since it was scheduled
-            self._finish_with_output(req, RequestStatus.FINISHED_ERROR, failure.message,
-                                     error_of(failure))
-
-    def _fail_outgrown(self, req: Request) -> None:
-        need = req.num_tokens + self.scheduler_config.num_speculative_tokens
-        self._fail_requests({req.request_id: RequestFailure(
-            f"request {req.request_id!r} needs {need} tokens of KV cache to go on, and the "
-            f"whole KV cache holds {self._pool_tokens} tokens; lower max_tokens (or "
-            "max_model_len), or give the cache more blocks", invalid_argument=True)})
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
+    # -- requests in and out: RequestLifecycle (core/sched/lifecycle.py) ----------
     def reset_prefix_cache(self) -> bool:
         return self.kv_tiering.reset()
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         t = self.kv_tiering
-        return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
-                              kv.prefix_queries, kv.prefix_hits, self.num_preemptions,
-                              self.encoder_cache_manager.usage(),
-                              self.spec_decoding_stats.copy(),
-                              t.host.num_usable if t.host is not None else 0,
-                              t.num_offload_blocks_used(), len(t.swapped),
-                              t.num_recomputed_tokens, t.num_swapped_out_blocks,
-                              t.num_swapped_in_blocks)
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            kv.usage(),
+            kv.prefix_queries,
+            kv.prefix_hits,
+            self.num_preemptions,
+            self.encoder_cache_manager.usage(),
+            self.spec_decoding_stats.copy(),
+            t.host.num_usable if t.host is not None else 0,
+            t.num_offload_blocks_used(),
+            len(t.swapped),
+            t.num_recomputed_tokens,
+            t.num_swapped_out_blocks,
+            t.num_swapped_in_blocks,
+        )
 
     # -- schedule -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -276,8 +197,9 @@ class Scheduler(UpdateFromOutput):
                 self.encoder_budget.commit(req, encoder_inputs, step)
         step.token_budget = budget
 
-    def _preempt_until_fits(self, req: Request, num_new: int, step: Step, order: list[Request],
-                            i: int) -> tuple[list[int] | None, int]:
+    def _preempt_until_fits(
+        self, req: Request, num_new: int, step: Step, order: list[Request], i: int
+    ) -> tuple[list[int] | None, int]:
         """Memory is short for ``req``'s chunk: preempt the policy's victims
         until it fits (its new block ids), or until ``req`` itself was the
         victim (None). Also returns where the walk over ``order`` goes on."""
@@ -305,14 +227,19 @@ class Scheduler(UpdateFromOutput):
         if admission is not None:
             deprioritized = admission.deprioritized
             for req in admission.late:  # refused early: it could not make its deadline
-                self._finish_with_output(req, RequestStatus.FINISHED_ABORTED,
-                                         "cannot meet its TTFT target")
+                self._finish_with_output(
+                    req, RequestStatus.FINISHED_ABORTED, "cannot meet its TTFT target"
+                )
         caps = step.tenant_caps
         skipped: list[Request] = []
         while waiting and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = waiting.peek()
-            if deprioritized and req.request_id in deprioritized or \
-                    caps is not None and caps[req.tenant] <= 0:
+            if (
+                deprioritized
+                and req.request_id in deprioritized
+                or caps is not None
+                and caps[req.tenant] <= 0
+            ):
                 skipped.append(waiting.pop())
                 continue
             if req.status == RequestStatus.WAITING_FOR_FSM:
@@ -354,8 +281,9 @@ class Scheduler(UpdateFromOutput):
         if load is None:
             return False  # its swap-in waits for the next step's copy budget
         loads, num_cached = load
-        num_new = chunk_size(req.num_tokens - num_cached, step.token_budget,
-                             cfg.long_prefill_token_threshold)
+        num_new = chunk_size(
+            req.num_tokens - num_cached, step.token_budget, cfg.long_prefill_token_threshold
+        )
         caps = step.tenant_caps
         if caps is not None and num_new > caps[req.tenant]:
             num_new = caps[req.tenant]
@@ -364,8 +292,7 @@ class Scheduler(UpdateFromOutput):
             encoder_inputs, num_new = self.encoder_budget.plan(req, num_cached, num_new, step)
         new_ids = None
         if num_new > 0 and policy.admits(req, num_new, hits, num_cached):
-            new_ids = kv.allocate_slots(req, num_new, hits, num_cached,
-                                        cfg.num_speculative_tokens)
+            new_ids = kv.allocate_slots(req, num_new, hits, num_cached, cfg.num_speculative_tokens)
         if new_ids is None:
             self.kv_tiering.cancel_load(loads)
             if req.mm_features:
@@ -405,13 +332,17 @@ class Scheduler(UpdateFromOutput):
         num_common = 0
         if self.running and self.cache_config.enable_prefix_caching:
             num_common = kv.get_num_common_prefix_blocks(self.running[0], len(self.running))
-        grammar = grammar_bitmask(step, self.structured_output_manager, self.requests,
-                                  self.defer_grammar_bitmask)
+        grammar = grammar_bitmask(
+            step, self.structured_output_manager, self.requests, self.defer_grammar_bitmask
+        )
         return step.build_output(
-            kv, self.scheduler_config.max_num_batched_tokens, finished=finished,
+            kv,
+            self.scheduler_config.max_num_batched_tokens,
+            finished=finished,
             num_common_prefix_blocks=num_common,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
-            grammar=grammar)
+            grammar=grammar,
+        )
 
     def fill_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Resolve a deferred grammar_bitmask from the matchers' current state:

@@ -1,5 +1,6 @@
 """The scheduler's statistics (``Scheduler.make_stats``), and the counters of
 speculative decoding, kept as drafts are verified."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,8 +38,12 @@ class SpecDecodingStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def copy(self) -> SpecDecodingStats:
-        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
-                                 self.num_accepted_tokens, list(self.accepted_per_position))
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ structured-output requests).
 The chunk rule (how many tokens a request gets) is ``chunk_size`` in
 core/policy/base.py, shared with the policies that predict chunks.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -59,17 +60,32 @@ class Step:
         for input_id in self.encoder_inputs.pop(rid, ()):
             self.encoder_budget += req.mm_features[input_id].length
 
-    def build_output(self, kv: KVCacheManager, total_budget: int, *, finished: set[str],
-                     num_common_prefix_blocks: int, free_encoder_mm_hashes: list[str],
-                     grammar: tuple) -> SchedulerOutput:
+    def build_output(
+        self,
+        kv: KVCacheManager,
+        total_budget: int,
+        *,
+        finished: set[str],
+        num_common_prefix_blocks: int,
+        free_encoder_mm_hashes: list[str],
+        grammar: tuple,
+    ) -> SchedulerOutput:
         """The step as sent to the workers (``grammar``: its bitmask and the
         ids of the requests it covers)."""
         new_reqs = [
-            NewRequestData(r.request_id, r.prompt_token_ids, r.mm_features, r.sampling_params,
-                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id,
-                           None if r.sampling_params.ignore_eos else r.eos_token_id,
-                           r.pooling_params)
-            for r in self.new_reqs]
+            NewRequestData(
+                r.request_id,
+                r.prompt_token_ids,
+                r.mm_features,
+                r.sampling_params,
+                kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                r.lora_id,
+                None if r.sampling_params.ignore_eos else r.eos_token_id,
+                r.pooling_params,
+            )
+            for r in self.new_reqs
+        ]
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=self._cached_data(kv),
@@ -104,8 +120,7 @@ class Step:
         return cached
 
 
-def grammar_bitmask(step: Step, som, requests: dict[str, Request],
-                    defer: bool) -> tuple:
+def grammar_bitmask(step: Step, som, requests: dict[str, Request], defer: bool) -> tuple:
     """The step's grammar bitmask and the ids of the requests it covers. With
     ``defer``, a Future that fill_grammar_bitmask resolves once the previous
     step's tokens are accepted."""
@@ -125,8 +140,11 @@ def fill_grammar_bitmask(som, scheduler_output: SchedulerOutput) -> None:
     if not isinstance(mask, Future) or mask.done():
         return
     try:
-        mask.set_result(som.fill_bitmask(scheduler_output.structured_req_ids,
-                                         scheduler_output.scheduled_spec_decode_tokens))
+        mask.set_result(
+            som.fill_bitmask(
+                scheduler_output.structured_req_ids, scheduler_output.scheduled_spec_decode_tokens
+            )
+        )
     except BaseException as exc:  # the worker waiting on it must not hang
         mask.set_exception(exc)
         raise

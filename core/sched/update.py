@@ -1,6 +1,7 @@
 """Reading a model step's reply: Scheduler.update_from_output, and the rules
 about one request it applies (stops, drafts, pooled vectors, prompt
 logprobs, a missing token)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -18,41 +19,56 @@ if TYPE_CHECKING:
     from tokenbudget.core.sched.stats import SpecDecodingStats
 
 
-def pooled_result(req: Request, vector: Any,
-                  new: list[int] | None) -> tuple[RequestStatus, RequestOutput] | None:
+def pooled_result(
+    req: Request, vector: Any, new: list[int] | None
+) -> tuple[RequestStatus, RequestOutput] | None:
     """How a pooling request ends this step, with its output; None while its
     prompt is not fully pooled. Prefill only: it finishes in the step that
     pooled its whole prompt."""
     rid = req.request_id
     if vector is not None:
         return RequestStatus.FINISHED_STOPPED, RequestOutput(
-            rid, [], "stop", None, req.num_cached_tokens, pooling_output=vector)
+            rid, [], "stop", None, req.num_cached_tokens, pooling_output=vector
+        )
     if not new:
         return None
     # A worker that knows no pooling sampled instead: fail, not hang.
     req.stop_reason = "the worker does not support pooling requests"
     return RequestStatus.FINISHED_ABORTED, RequestOutput(
-        rid, [], "abort", None, req.num_cached_tokens, req.stop_reason,
-        UnsupportedRequestError(f"request {rid}: {req.stop_reason} (it returned a token, "
-                                "not a vector); upgrade the worker"))
+        rid,
+        [],
+        "abort",
+        None,
+        req.num_cached_tokens,
+        req.stop_reason,
+        UnsupportedRequestError(
+            f"request {rid}: {req.stop_reason} (it returned a token, "
+            "not a vector); upgrade the worker"
+        ),
+    )
 
 
 def check_no_token_due(req: Request, must_sample: set[str]) -> None:
     """A reply without a token for ``req`` is fine mid-prefill; raises
     WorkerReplyError when ``req`` had to sample this step."""
-    if req.request_id in must_sample or \
-            req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+    if (
+        req.request_id in must_sample
+        or req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
+    ):
         raise WorkerReplyError(
             f"the worker's reply has no token for request {req.request_id!r}, which had to "
-            "sample this step; failing the step rather than leave it waiting")
+            "sample this step; failing the step rather than leave it waiting"
+        )
 
 
 def new_prompt_logprobs(req: Request, computed: PromptLogprobs) -> list | None:
     """The entries not output before (a preempted request recomputes its prompt)."""
     skip = req.num_prompt_logprobs_sent - computed.start
     # Chunks are computed in order from position 0 (no prefix hits): no gap.
-    assert skip >= 0, f"{req.request_id}: prompt logprobs from {computed.start}, " \
+    assert skip >= 0, (
+        f"{req.request_id}: prompt logprobs from {computed.start}, "
         f"expected {req.num_prompt_logprobs_sent}"
+    )
     entries = computed.entries[skip:]
     if not entries:
         return None
@@ -65,7 +81,7 @@ def fit_drafts(req: Request, draft: list[int], max_len: int, som) -> list[int]:
     what the whole cache holds they would only preempt it) and its
     max_tokens, and those its grammar accepts."""
     room = min(max_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
-    draft = draft[:max(room, 0)]
+    draft = draft[: max(room, 0)]
     if draft and req.structured_request is not None:
         draft = som.validate_drafts(req, draft)
     return draft
@@ -73,8 +89,9 @@ def fit_drafts(req: Request, draft: list[int], max_len: int, som) -> list[int]:
 
 class UpdateFromOutput:
     """update_from_output, a base of Scheduler (core/sched/scheduler.py).
-    The Scheduler owns the state read here (annotated below) and the ways a
-    request ends: _free_request, _fail_requests and take_side_outputs."""
+    The Scheduler owns the state read here (annotated below); the ways a
+    request ends (_free_request, _fail_requests, take_side_outputs) are
+    RequestLifecycle's (core/sched/lifecycle.py)."""
 
     scheduler_config: SchedulerConfig
     requests: dict[str, Request]
@@ -86,8 +103,9 @@ class UpdateFromOutput:
     num_stale_drafts: int
     _pool_tokens: int
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         outputs = self._fail_reported(model_runner_output)
         som = self.structured_output_manager
         requests = self.requests
@@ -107,23 +125,16 @@ class UpdateFromOutput:
             if req.mm_features:
                 self.encoder_budget.free_computed(req)
             if req.pooling_params is not None:
-                finished_running |= self._update_pooling(req, i, new, model_runner_output,
-                                                         outputs)
+                finished_running |= self._update_pooling(req, i, new, model_runner_output, outputs)
+                continue
+            if not new:
+                self._update_without_token(req, scheduler_output, prompt_logprobs, outputs)
                 continue
             plp = None
             if prompt_logprobs is not None and rid in prompt_logprobs:
                 plp = new_prompt_logprobs(req, prompt_logprobs[rid])
-            if not new:
-                check_no_token_due(req, scheduler_output.must_sample)
-                if plp:  # mid-prefill
-                    outputs.append(RequestOutput(rid, [], None, None, req.num_cached_tokens,
-                                                 prompt_logprobs=plp))
-                continue
             if spec_scheduled and spec_scheduled.get(rid):
-                # Rejected drafts were computed but are not part of the sequence.
-                num_drafts = len(spec_scheduled[rid])
-                req.num_computed_tokens -= num_drafts + 1 - len(new)
-                self.spec_decoding_stats.observe(num_drafts, len(new) - 1)
+                self._count_drafts(req, len(spec_scheduled[rid]), len(new))
             if req.num_output_placeholders:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - len(new))
             status, kept = check_stop(req, new, max_model_len)
@@ -134,18 +145,47 @@ class UpdateFromOutput:
                     continue
             lp = None
             if logprobs is not None and logprobs[i] is not None:
-                lp = logprobs[i][:len(kept)]
+                lp = logprobs[i][: len(kept)]
+            reason = None
             if status is not None:
+                reason = RequestStatus.finish_reason(status)
                 finished_running |= self._finish_in_step(req, status)
             elif drafts is not None and drafts[i]:
                 self._take_drafts(req, drafts[i])
             # Positional: a keyword makes the dataclass's __init__ a third slower.
-            outputs.append(RequestOutput(rid, kept, RequestStatus.finish_reason(status)
-                                         if status is not None else None,
-                                         lp, req.num_cached_tokens, req.stop_reason, None, plp))
+            outputs.append(
+                RequestOutput(
+                    rid, kept, reason, lp, req.num_cached_tokens, req.stop_reason, None, plp
+                )
+            )
         if finished_running:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _update_without_token(
+        self,
+        req: Request,
+        scheduler_output: SchedulerOutput,
+        prompt_logprobs: dict[str, PromptLogprobs] | None,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """A reply with no token for ``req``: fine mid-prefill, where its new
+        prompt logprobs (if any) are output; else WorkerReplyError."""
+        rid = req.request_id
+        plp = None
+        if prompt_logprobs is not None and rid in prompt_logprobs:
+            plp = new_prompt_logprobs(req, prompt_logprobs[rid])
+        check_no_token_due(req, scheduler_output.must_sample)
+        if plp:  # mid-prefill
+            outputs.append(
+                RequestOutput(rid, [], None, None, req.num_cached_tokens, prompt_logprobs=plp)
+            )
+
+    def _count_drafts(self, req: Request, num_drafts: int, num_new: int) -> None:
+        """A verification step's reply: ``num_new`` tokens for ``num_drafts``
+        drafts. Rejected drafts were computed but are not part of the sequence."""
+        req.num_computed_tokens -= num_drafts + 1 - num_new
+        self.spec_decoding_stats.observe(num_drafts, num_new - 1)
 
     def _fail_reported(self, model_runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Fail the requests the reply reports failed, and those whose grammar
@@ -166,9 +206,14 @@ class UpdateFromOutput:
         self._free_request(req, status)
         return running
 
-    def _update_pooling(self, req: Request, i: int | None, new: list[int] | None,
-                        model_runner_output: ModelRunnerOutput,
-                        outputs: list[RequestOutput]) -> bool:
+    def _update_pooling(
+        self,
+        req: Request,
+        i: int | None,
+        new: list[int] | None,
+        model_runner_output: ModelRunnerOutput,
+        outputs: list[RequestOutput],
+    ) -> bool:
         """A pooling request's reply; True if it finished running."""
         pooled = model_runner_output.pooler_output
         vector = pooled[i] if pooled is not None and i is not None else None
@@ -179,8 +224,9 @@ class UpdateFromOutput:
         outputs.append(result[1])
         return self._finish_in_step(req, result[0])
 
-    def _accept_structured(self, req: Request, kept: list[int],
-                           status: RequestStatus | None) -> RequestStatus | None:
+    def _accept_structured(
+        self, req: Request, kept: list[int], status: RequestStatus | None
+    ) -> RequestStatus | None:
         """Advance ``req``'s grammar matcher by ``kept``; the grammar may end
         it. A matcher that breaks, or a token the grammar rejects (a worker
         that did not apply the bitmask), fails the request alone; the caller

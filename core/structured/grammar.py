@@ -3,6 +3,7 @@ string length bounds rewritten as patterns, which xgrammar lowers to
 non-JSON), the errors a bad spec gets, and the cache key of a compiled grammar.
 Pure functions; xgrammar is imported only when a spec is parsed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,14 +43,14 @@ def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = Fals
                 except json.JSONDecodeError as exc:
                     raise GrammarError(f"structured.json_schema is not valid JSON: {exc}") from None
             if not isinstance(value, (dict, bool)):
-                raise GrammarError("structured.json_schema must be a JSON object, got "
-                                   f"{type(value).__name__}")
+                raise GrammarError(
+                    f"structured.json_schema must be a JSON object, got {type(value).__name__}"
+                )
             value = _bounded_strings_as_patterns(value)
             return xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=any_whitespace)
         if kind == "json_object":
             # OpenAI's json_object is an object at the top level, not any JSON value.
-            return xgr.Grammar.from_json_schema('{"type": "object"}',
-                                                any_whitespace=any_whitespace)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "grammar":
@@ -67,8 +68,9 @@ def parse_grammar(params: StructuredOutputParams, *, any_whitespace: bool = Fals
 _SCHEMA_DATA_KEYS = frozenset(("enum", "const", "default", "examples"))
 # Keys whose values map names to subschemas: a name there is no keyword, even
 # when it reads "enum" or "default".
-_SCHEMA_MAP_KEYS = frozenset(("properties", "patternProperties", "$defs", "definitions",
-                              "dependentSchemas"))
+_SCHEMA_MAP_KEYS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+)
 
 # One character of a JSON string, as a regex over the JSON text: xgrammar
 # matches a string's ``pattern`` against the text between the quotes with its
@@ -84,17 +86,21 @@ _SCHEMA_MAP_KEYS = frozenset(("properties", "patternProperties", "$defs", "defin
 # length have come out exact (tests/structured/test_length_bounded_strings.py
 # walks the bytes). Its regex has no \U escape, so the four-byte range is
 # written as the characters themselves.
-_RAW_CHARACTER = (r"[ !#-\[\]-\x7f]"
-                  r"|[\u0080-\u07ff]"
-                  r"|[\u0800-\ud7ff\ue000-\uffff]"
-                  "|[\U00010000-\U0010ffff]")
+_RAW_CHARACTER = (
+    r"[ !#-\[\]-\x7f]"
+    r"|[\u0080-\u07ff]"
+    r"|[\u0800-\ud7ff\ue000-\uffff]"
+    "|[\U00010000-\U0010ffff]"
+)
 _HEX = "[0-9A-Fa-f]"
 # A \u escape in the surrogate range decodes to a character only as a high
 # surrogate followed by a low one; that pair is one character.
-_ESCAPE = (r'\\(?:["\\/bfnrt]'
-           rf"|u[0-9A-Ca-cE-Fe-f]{_HEX}{{3}}"
-           rf"|u[Dd][0-7]{_HEX}{{2}}"
-           rf"|u[Dd][89ABab]{_HEX}{{2}}\\u[Dd][C-Fc-f]{_HEX}{{2}})")
+_ESCAPE = (
+    r'\\(?:["\\/bfnrt]'
+    rf"|u[0-9A-Ca-cE-Fe-f]{_HEX}{{3}}"
+    rf"|u[Dd][0-7]{_HEX}{{2}}"
+    rf"|u[Dd][89ABab]{_HEX}{{2}}\\u[Dd][C-Fc-f]{_HEX}{{2}})"
+)
 _JSON_STRING_CHARACTER = f"(?:{_RAW_CHARACTER}|{_ESCAPE})"
 
 
@@ -116,13 +122,19 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
             out[k] = {name: _bounded_strings_as_patterns(s) for name, s in v.items()}
         else:
             out[k] = _bounded_strings_as_patterns(v)
-    if out.get("type") == "string" and "pattern" not in out and "format" not in out and \
-            ("minLength" in out or "maxLength" in out):
+    if (
+        out.get("type") == "string"
+        and "pattern" not in out
+        and "format" not in out
+        and ("minLength" in out or "maxLength" in out)
+    ):
         low = _length_bound(out, "minLength", 0)
         high = _length_bound(out, "maxLength", None)
         if high is not None and low > high:
-            raise GrammarError(f"structured.json_schema: minLength {low} is greater than "
-                               f"maxLength {high}; no string satisfies both")
+            raise GrammarError(
+                f"structured.json_schema: minLength {low} is greater than "
+                f"maxLength {high}; no string satisfies both"
+            )
         out["pattern"] = f"^{_JSON_STRING_CHARACTER}{{{low},{'' if high is None else high}}}$"
     return out
 
@@ -135,8 +147,9 @@ def _length_bound(schema: dict, key: str, default: int | None) -> int | None:
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # JSON has one number type: 3.0 is the integer 3
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise GrammarError(f"structured.json_schema: {key} must be a non-negative integer, "
-                           f"got {value!r}")
+        raise GrammarError(
+            f"structured.json_schema: {key} must be a non-negative integer, got {value!r}"
+        )
     return value
 
 

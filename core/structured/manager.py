@@ -19,6 +19,7 @@ core/structured/grammar.py. xgrammar is imported only when a request needs
 it, so ``tokenbudget.core`` never imports it (or torch) at import time. Every method except
 ``validate`` and ``compile`` runs on the scheduler's thread.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,12 @@ import numpy as np
 
 from tokenbudget.core.failures import RequestFailure, describe
 from tokenbudget.core.sampling_params import StructuredOutputParams
-from tokenbudget.core.structured.grammar import (GrammarError, cache_key, parse_grammar,
-                                                 xgrammar_message)
+from tokenbudget.core.structured.grammar import (
+    GrammarError,
+    cache_key,
+    parse_grammar,
+    xgrammar_message,
+)
 
 if TYPE_CHECKING:
     from tokenbudget.core.request import Request
@@ -73,10 +78,18 @@ class StructuredOutputManager:
     tokenizer's; the bitmask covers all of it (padding ids never allowed).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, *, compile_timeout_s: float = 30.0,
-                 cache_size: int = 128, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
-                 compile_threads: int = 2, fill_threads: int | str = "auto",
-                 any_whitespace: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        *,
+        compile_timeout_s: float = 30.0,
+        cache_size: int = 128,
+        cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+        compile_threads: int = 2,
+        fill_threads: int | str = "auto",
+        any_whitespace: bool = False,
+    ) -> None:
         """``cache_size`` and ``cache_bytes`` bound the compiled grammars kept
         for reuse (least recently used go first); a grammar in use by a
         request lives as long as the request, cached or not."""
@@ -144,11 +157,13 @@ class StructuredOutputManager:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
-                                                         vocab_size=self.vocab_size)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size
+                )
                 # Our LRU is the cache: bounded, and a miss really compiles.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._compile_threads,
-                                                     cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self._compile_threads, cache_enabled=False
+                )
             return self._compiler
 
     def _compiled(self, params: StructuredOutputParams) -> Future:
@@ -158,8 +173,9 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
             return fut
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._compile_threads,
-                                            thread_name_prefix="tokenbudget-grammar")
+            self._pool = ThreadPoolExecutor(
+                self._compile_threads, thread_name_prefix="tokenbudget-grammar"
+            )
         fut = self._pool.submit(self.compile, params)
         self._cache[key] = fut
         self._evict()
@@ -181,7 +197,8 @@ class StructuredOutputManager:
     def add_request(self, req: Request) -> None:
         params = req.sampling_params.structured
         req.structured_request = StructuredRequest(
-            params, self._compiled(params), self.clock() + self.compile_timeout_s)
+            params, self._compiled(params), self.clock() + self.compile_timeout_s
+        )
         self._pending[req.request_id] = req
 
     def is_ready(self, req: Request) -> bool:
@@ -232,9 +249,15 @@ class StructuredOutputManager:
                     exc = GrammarError(f"structured.{sr.params.kind}: {xgrammar_message(exc)}")
                 failed.append((req, exc))
             elif now >= sr.deadline:
-                failed.append((req, GrammarTimeoutError(
-                    f"structured.{sr.params.kind}: the grammar did not compile within "
-                    f"{self.compile_timeout_s:g} s")))
+                failed.append(
+                    (
+                        req,
+                        GrammarTimeoutError(
+                            f"structured.{sr.params.kind}: the grammar did not compile within "
+                            f"{self.compile_timeout_s:g} s"
+                        ),
+                    )
+                )
         return failed
 
     def wait_for_compiles(self, timeout: float) -> None:
@@ -251,16 +274,21 @@ class StructuredOutputManager:
         req.structured_request = None
 
     # -- per step (scheduler thread) -----------------------------------------------------
-    def grammar_bitmask(self, requests: dict[str, Request], num_scheduled: dict[str, int],
-                        spec_tokens: dict[str, list[int]]) -> tuple[np.ndarray | None, list[str]]:
+    def grammar_bitmask(
+        self,
+        requests: dict[str, Request],
+        num_scheduled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+    ) -> tuple[np.ndarray | None, list[str]]:
         """Bitmask rows for the scheduled structured requests that sample this
         step: 1 + drafts rows each, in the order of the returned request ids.
         Row k of a request with drafts reflects its state after drafts[:k]."""
         ids = self.sampling_req_ids(num_scheduled, spec_tokens)
         return (self.fill_bitmask(ids, spec_tokens) if ids else None), ids
 
-    def sampling_req_ids(self, num_scheduled: dict[str, int],
-                         spec_tokens: dict[str, list[int]]) -> list[str]:
+    def sampling_req_ids(
+        self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]
+    ) -> list[str]:
         """The scheduled structured requests that sample this step, in
         scheduled order: when every scheduled row is constrained the worker
         masks its logits in place, without reordering rows."""
@@ -274,14 +302,15 @@ class StructuredOutputManager:
                 continue
             drafts = spec_tokens.get(rid) if spec_tokens else None
             num_drafts = len(drafts) if drafts else 0
-            if req.num_computed_tokens + n < req.num_tokens + req.num_output_placeholders \
-                    + num_drafts:
+            if (
+                req.num_computed_tokens + n
+                < req.num_tokens + req.num_output_placeholders + num_drafts
+            ):
                 continue  # a prefill chunk that does not sample
             ids.append(rid)
         return ids
 
-    def fill_bitmask(self, req_ids: list[str],
-                     spec_tokens: dict[str, list[int]]) -> np.ndarray:
+    def fill_bitmask(self, req_ids: list[str], spec_tokens: dict[str, list[int]]) -> np.ndarray:
         """The rows of ``req_ids`` (see grammar_bitmask) from the matchers'
         current state. A request removed since it was scheduled (a deferred
         fill after it finished) gets rows that allow everything: its sample
@@ -314,7 +343,8 @@ class StructuredOutputManager:
         if matchers:
             try:
                 self._batch_matcher().batch_fill_next_token_bitmask(
-                    matchers, bitmask, rows if len(rows) < k else None)
+                    matchers, bitmask, rows if len(rows) < k else None
+                )
             except Exception:
                 # Find the matchers that fail and fill the others one by one.
                 for matcher, row in zip(matchers, rows):
@@ -324,11 +354,11 @@ class StructuredOutputManager:
                         self._fill_failed(matcher, exc, bitmask, row, row + 1)
         return bitmask
 
-    def _fill_failed(self, matcher, exc: Exception, bitmask: np.ndarray, lo: int,
-                     hi: int) -> None:
+    def _fill_failed(self, matcher, exc: Exception, bitmask: np.ndarray, lo: int, hi: int) -> None:
         bitmask[lo:hi] = -1  # its sample is discarded; an all-zero row could break sampling
-        rid = next(r for r, req in self._active.items()
-                   if req.structured_request.matcher is matcher)
+        rid = next(
+            r for r, req in self._active.items() if req.structured_request.matcher is matcher
+        )
         logger.error("request %s: its grammar matcher failed: %s", rid, exc)
         self.fill_failures[rid] = describe(exc)
 
@@ -355,11 +385,13 @@ class StructuredOutputManager:
             if matcher.is_terminated():
                 return True  # past the grammar's end (ends without a stop token)
             if not matcher.accept_token(t):
-                logger.error("request %s: token %d violates its grammar; failing it",
-                             req.request_id, t)
+                logger.error(
+                    "request %s: token %d violates its grammar; failing it", req.request_id, t
+                )
                 raise RuntimeError(
                     f"the worker sampled token {t}, which the request's grammar does not "
-                    "allow (it did not apply the grammar bitmask); no output past it")
+                    "allow (it did not apply the grammar bitmask); no output past it"
+                )
         return matcher.is_terminated()
 
     def validate_drafts(self, req: Request, draft_token_ids: list[int]) -> list[int]:
@@ -390,7 +422,7 @@ def _fill_with_drafts(matcher, drafts: list[int], bitmask: np.ndarray, first_row
         if j == len(drafts):
             break
         if matcher.is_terminated() or not matcher.accept_token(drafts[j]):
-            bitmask[first_row + j + 1:first_row + len(drafts) + 1] = -1
+            bitmask[first_row + j + 1 : first_row + len(drafts) + 1] = -1
             break
         accepted += 1
     if accepted:

@@ -35,6 +35,7 @@ there are never freed; nanobind then reports triton's objects (imported
 while the model loads) as leaked: 27 ``nanobind: leaked ...`` lines on every
 exit, tests included.
 """
+
 from __future__ import annotations
 
 import atexit

@@ -9,6 +9,7 @@ file on the server and every worker) makes each call carry
 UNAUTHENTICATED. A worker bound to another address without a secret refuses
 to start unless ``--allow-unauthenticated`` says the network is trusted.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -27,8 +28,9 @@ def read_secret_file(path: str, what: str = "--worker-secret-file") -> str:
     try:
         secret = Path(path).expanduser().read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{what}: cannot read {path}: "
-                         f"{getattr(exc, 'strerror', None) or exc}") from None
+        raise ValueError(
+            f"{what}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     if not secret:
         raise ValueError(f"{what}: {path} is empty")
     return secret
@@ -62,8 +64,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def handler_with_behavior(handler: grpc.RpcMethodHandler,
-                          behavior: Callable) -> grpc.RpcMethodHandler:
+def handler_with_behavior(
+    handler: grpc.RpcMethodHandler, behavior: Callable
+) -> grpc.RpcMethodHandler:
     """A method handler of ``handler``'s kind (unary or streaming each way)
     and (de)serializers that runs ``behavior`` instead."""
     if handler.request_streaming and handler.response_streaming:
@@ -74,8 +77,11 @@ def handler_with_behavior(handler: grpc.RpcMethodHandler,
         make = grpc.unary_stream_rpc_method_handler
     else:
         make = grpc.unary_unary_rpc_method_handler
-    return make(behavior, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 class WorkerSecretInterceptor(grpc.ServerInterceptor):
@@ -90,8 +96,10 @@ class WorkerSecretInterceptor(grpc.ServerInterceptor):
             return handler
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "this worker requires the shared secret of --worker-secret-file "
-                          "(metadata 'authorization: Bearer <secret>')")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this worker requires the shared secret of --worker-secret-file "
+                "(metadata 'authorization: Bearer <secret>')",
+            )
 
         return handler_with_behavior(handler, deny)

@@ -1,6 +1,7 @@
 """Listening on a port with gRPC, for the worker and the server alike: one
 owner per port, and a taken port named as such instead of gRPC's bare
 "Failed to bind"."""
+
 from __future__ import annotations
 
 import errno
@@ -17,8 +18,12 @@ class BindError(OSError):
     """A server cannot listen on its address; the message names it and the cause."""
 
 
-def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
-              credentials: grpc.ServerCredentials | None = None) -> int:
+def bind_port(
+    server: grpc.Server | grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
     """Listen on host:port (0: a free port) with a server built with
     NO_PORT_REUSE, with TLS when ``credentials`` are given; returns the bound
     port. Raises BindError naming the address and, when it can be found, the
@@ -26,8 +31,11 @@ def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
     check_port_free(host, port)  # the cause, without gRPC's own error log line
     address = f"{host}:{port}"
     try:
-        bound = (server.add_insecure_port(address) if credentials is None
-                 else server.add_secure_port(address, credentials))
+        bound = (
+            server.add_insecure_port(address)
+            if credentials is None
+            else server.add_secure_port(address, credentials)
+        )
     except RuntimeError:  # lost a race for the port; grpc says only "Failed to bind"
         bound = 0
     if bound == 0:
@@ -44,8 +52,9 @@ def check_port_free(host: str, port: int) -> None:
     if port == 0:
         return
     try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
         raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     for family, type_, proto, _, addr in infos:
@@ -55,6 +64,5 @@ def check_port_free(host: str, port: int) -> None:
             try:
                 probe.bind(addr)
             except OSError as exc:
-                reason = ("address already in use" if exc.errno == errno.EADDRINUSE
-                          else exc.strerror)
+                reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
                 raise BindError(f"cannot listen on {host}:{port}: {reason}") from None

@@ -4,13 +4,15 @@
 Each setting is declared once, as a field with its default, help text and
 ``server --help`` group (``core.config.setting``); the scheduler's and the KV
 cache's settings are SchedulerConfig's and CacheConfig's fields, taken over
-with ``_from``. The flags are derived from the fields (``engine_flags``): a
-flag ``--max-num-seqs`` is the keyword ``max_num_seqs``. vLLM's names for
-settings we had under our own names are aliases (``ALIASES``), as keywords
-and as flags. What we cannot honour is refused with ``UnsupportedArgument``
-("not supported: why") before anything loads; accepted flags that change
-nothing here (``enforce_eager``: we capture no graphs) say so in their help.
+with ``_from``. The flags are derived from the fields (``engine_flags`` in
+flags.py): a flag ``--max-num-seqs`` is the keyword ``max_num_seqs``. vLLM's
+names for settings we had under our own names are aliases (``ALIASES``), as
+keywords and as flags. What we cannot honour is refused with
+``UnsupportedArgument`` ("not supported: why") before anything loads
+(args_checks.py); accepted flags that change nothing here
+(``enforce_eager``: we capture no graphs) say so in their help.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,19 +20,35 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenbudget.core.config import (DEFAULT_MAX_MODEL_LEN, KV_CACHE, POLICY, POLICY_OPTIONS,
-                                     SCHEDULER, CacheConfig, SchedulerConfig, setting)
+from tokenbudget.core.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    KV_CACHE,
+    POLICY,
+    POLICY_OPTIONS,
+    SCHEDULER,
+    CacheConfig,
+    SchedulerConfig,
+    setting,
+)
 from tokenbudget.core.spec_config import SpeculativeConfig
-from tokenbudget.core.pooling_params import PoolerConfig
-from tokenbudget.server.engine.compat import (TOKENIZER_MODES, UnsupportedArgument, check_compat,
-                                              parse_mm_limits)
+from tokenbudget.server.engine.args_checks import (
+    FP8_KV_CACHE_DTYPES as FP8_KV_CACHE_DTYPES,
+    KV_CACHE_DTYPES,
+    check_engine_args,
+)
+from tokenbudget.server.engine.compat import (
+    TOKENIZER_MODES,
+    UnsupportedArgument as UnsupportedArgument,
+    parse_mm_limits,
+)
 from tokenbudget.core.structured.manager import DEFAULT_GRAMMAR_CACHE_BYTES
-from tokenbudget.server.engine.mm_processor import (DEFAULT_MAX_IMAGE_PIXELS,
-                                             DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST)
+from tokenbudget.server.engine.mm_processor import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
+)
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -38,12 +56,12 @@ logger = logging.getLogger("tokenbudget.server")
 MODEL, SERVER, LOGGING, WORKERS = "model", "server", "logging", "workers"
 GROUPS = (MODEL, SERVER, LOGGING, WORKERS, SCHEDULER, POLICY, KV_CACHE)
 # vLLM's name -> ours, for LLM(...) keywords (the CLI has both as option strings).
-ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks",
-           "kv_cache_memory_bytes": "kv_cache_memory",
-           "scheduling_policy": "policy",
-           "override_pooler_config": "pooler_config"}
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *FP8_KV_CACHE_DTYPES)
+ALIASES = {
+    "num_gpu_blocks_override": "num_gpu_blocks",
+    "kv_cache_memory_bytes": "kv_cache_memory",
+    "scheduling_policy": "policy",
+    "override_pooler_config": "pooler_config",
+}
 
 
 def _from(config: type, name: str, **override: Any) -> Any:
@@ -58,96 +76,169 @@ def _from(config: type, name: str, **override: Any) -> Any:
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = setting(
-        None, "Hugging Face checkpoint: a local folder or a hub id. Without it the built-in "
-        "tiny demo model (random weights) is served.", group=MODEL)
+        None,
+        "Hugging Face checkpoint: a local folder or a hub id. Without it the built-in "
+        "tiny demo model (random weights) is served.",
+        group=MODEL,
+    )
     served_model_name: str | None = setting(
-        None, "the model name GetModelInfo and the gateway report (default: --model)",
-        group=MODEL, metavar="NAME")
-    tokenizer: str | None = setting(None, "tokenizer folder or hub id (default: --model)",
-                                    group=MODEL, metavar="PATH_OR_ID")
+        None,
+        "the model name GetModelInfo and the gateway report (default: --model)",
+        group=MODEL,
+        metavar="NAME",
+    )
+    tokenizer: str | None = setting(
+        None, "tokenizer folder or hub id (default: --model)", group=MODEL, metavar="PATH_OR_ID"
+    )
     tokenizer_mode: str = setting(
-        "auto", "auto: the checkpoint's fast (Rust) tokenizer, the only kind transformers 5 "
-        "loads (default; vLLM's slow, mistral and custom modes are refused)", group=MODEL,
-        choices=TOKENIZER_MODES)
+        "auto",
+        "auto: the checkpoint's fast (Rust) tokenizer, the only kind transformers 5 "
+        "loads (default; vLLM's slow, mistral and custom modes are refused)",
+        group=MODEL,
+        choices=TOKENIZER_MODES,
+    )
     download_dir: str | None = setting(
-        None, "download hub checkpoints to and load them from this folder (default: the "
-        "Hugging Face cache, $HF_HUB_CACHE)", group=MODEL, metavar="DIR")
+        None,
+        "download hub checkpoints to and load them from this folder (default: the "
+        "Hugging Face cache, $HF_HUB_CACHE)",
+        group=MODEL,
+        metavar="DIR",
+    )
     revision: str | None = setting(
-        None, "branch, tag or commit of a hub model (and of its tokenizer unless --tokenizer "
-        "names another)", group=MODEL)
+        None,
+        "branch, tag or commit of a hub model (and of its tokenizer unless --tokenizer "
+        "names another)",
+        group=MODEL,
+    )
     trust_remote_code: bool = setting(
-        False, "run the checkpoint's own modelling code (transformers' trust_remote_code)",
-        group=MODEL)
+        False,
+        "run the checkpoint's own modelling code (transformers' trust_remote_code)",
+        group=MODEL,
+    )
     dtype: str = setting(
-        "auto", "weights and activations (default %(default)s: float32 on CPU; on a GPU the "
-        "checkpoint's half dtype, else bfloat16)", group=MODEL,
-        choices=("auto", "float32", "float16", "bfloat16", "float", "half"))
+        "auto",
+        "weights and activations (default %(default)s: float32 on CPU; on a GPU the "
+        "checkpoint's half dtype, else bfloat16)",
+        group=MODEL,
+        choices=("auto", "float32", "float16", "bfloat16", "float", "half"),
+    )
     seed: int = setting(
-        0, "seed of the global generator that requests without their own seed draw from "
-        "(default %(default)s)", group=MODEL)
+        0,
+        "seed of the global generator that requests without their own seed draw from "
+        "(default %(default)s)",
+        group=MODEL,
+    )
     chat_template: str | None = setting(
-        None, "Jinja chat template, a file or the template itself (default: the tokenizer's)",
-        group=MODEL, metavar="FILE_OR_TEMPLATE")
+        None,
+        "Jinja chat template, a file or the template itself (default: the tokenizer's)",
+        group=MODEL,
+        metavar="FILE_OR_TEMPLATE",
+    )
     generation_config: str = setting(
-        "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "auto",
+        "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
         "max_new_tokens) for fields a request leaves unset: auto = the model's "
         "generation_config.json, vllm = none (SamplingParams' own), or a folder holding one "
-        "(default %(default)s)", group=MODEL, metavar="auto|vllm|FOLDER")
+        "(default %(default)s)",
+        group=MODEL,
+        metavar="auto|vllm|FOLDER",
+    )
     max_logprobs: int = setting(
-        20, "the most logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary "
-        "(default %(default)s)", group=MODEL)
+        20,
+        "the most logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary "
+        "(default %(default)s)",
+        group=MODEL,
+    )
     # PoolerConfig fields as a dict or JSON text.
     pooler_config: dict | str | None = setting(
-        None, 'embedding requests\' default pooling, e.g. \'{"pooling_type": "MEAN", '
+        None,
+        'embedding requests\' default pooling, e.g. \'{"pooling_type": "MEAN", '
         '"normalize": false}\': pooling_type LAST, MEAN or CLS, normalize (L2) true or false; '
         "a field left out comes from the model (its sentence-transformers modules.json, else "
         "LAST with normalize for decoders). Requests may override both "
-        "(--override-pooler-config is vLLM's older name)", group=MODEL, metavar="JSON")
+        "(--override-pooler-config is vLLM's older name)",
+        group=MODEL,
+        metavar="JSON",
+    )
     enforce_eager: bool = setting(
-        False, "accepted for vLLM compatibility and changes nothing: tokenbudget never "
-        "captures CUDA graphs, it always runs eagerly", group=MODEL)
+        False,
+        "accepted for vLLM compatibility and changes nothing: tokenbudget never "
+        "captures CUDA graphs, it always runs eagerly",
+        group=MODEL,
+    )
     device: str | None = setting(
-        None, "cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)", group=MODEL)
+        None, "cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)", group=MODEL
+    )
     attention_backend: str = setting(
-        "auto", "paged attention kernel (default %(default)s: the fastest available)",
-        group=MODEL, choices=("auto", "sdpa", "flash_attn"))
+        "auto",
+        "paged attention kernel (default %(default)s: the fastest available)",
+        group=MODEL,
+        choices=("auto", "sdpa", "flash_attn"),
+    )
     # -- input limits (one client must not exhaust the server's memory) --
     max_image_pixels: int = setting(
-        DEFAULT_MAX_IMAGE_PIXELS, "an image with more pixels (width x height, read from its "
+        DEFAULT_MAX_IMAGE_PIXELS,
+        "an image with more pixels (width x height, read from its "
         "header before decoding) is refused with INVALID_ARGUMENT (default %(default)s = "
         "4096x4096; decoding costs about 10 bytes a pixel; the model's image processor then "
-        "resizes to its own max_pixels)", group=SERVER)
+        "resizes to its own max_pixels)",
+        group=SERVER,
+    )
     max_image_pixels_per_request: int = setting(
-        DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST, "a request whose images add up to more pixels is "
-        "refused before any is decoded (default %(default)s)", group=SERVER)
+        DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
+        "a request whose images add up to more pixels is "
+        "refused before any is decoded (default %(default)s)",
+        group=SERVER,
+    )
     limit_mm_per_prompt: dict[str, int] | None = setting(
-        None, "the most items of each modality one prompt may carry, as vLLM's JSON, e.g. "
+        None,
+        "the most items of each modality one prompt may carry, as vLLM's JSON, e.g. "
         "'{\"image\": 2}'; a prompt with more is refused (INVALID_ARGUMENT). Images are the "
-        "only modality served (default: no limit but the pixel limits)", group=SERVER,
-        metavar="JSON", parse=parse_mm_limits)
+        "only modality served (default: no limit but the pixel limits)",
+        group=SERVER,
+        metavar="JSON",
+        parse=parse_mm_limits,
+    )
     # None: InputProcessor.max_prompt_bytes.
     max_prompt_bytes: int | None = setting(
-        None, "a text prompt (after its chat template) longer than this in UTF-8 bytes is "
+        None,
+        "a text prompt (after its chat template) longer than this in UTF-8 bytes is "
         "refused before tokenizing; with truncate_prompt_tokens only its tail is tokenized "
         "(default: --max-model-len x the tokenizer's longest token in bytes, x3 when it "
-        "normalizes Unicode: a text that can never fit)", group=SERVER)
+        "normalizes Unicode: a text that can never fit)",
+        group=SERVER,
+    )
     grammar_cache_bytes: int = setting(
-        DEFAULT_GRAMMAR_CACHE_BYTES, "compiled structured-output grammars kept for reuse, in "
-        "bytes; least recently used go first (default %(default)s = 512 MiB)", group=SERVER)
+        DEFAULT_GRAMMAR_CACHE_BYTES,
+        "compiled structured-output grammars kept for reuse, in "
+        "bytes; least recently used go first (default %(default)s = 512 MiB)",
+        group=SERVER,
+    )
     grammar_compile_timeout_s: float = setting(
-        30.0, "a structured-output grammar not compiled in this time fails its request with "
-        "DEADLINE_EXCEEDED (default %(default)s)", group=SERVER)
+        30.0,
+        "a structured-output grammar not compiled in this time fails its request with "
+        "DEADLINE_EXCEEDED (default %(default)s)",
+        group=SERVER,
+    )
     # -- logging --
     disable_log_stats: bool = setting(
-        False, "no periodic stats line (as --log-stats-interval 0)", group=LOGGING)
+        False, "no periodic stats line (as --log-stats-interval 0)", group=LOGGING
+    )
     enable_log_requests: bool = setting(
-        False, "log one line per finished request at info level (without it: at debug level)",
-        group=LOGGING)
+        False,
+        "log one line per finished request at info level (without it: at debug level)",
+        group=LOGGING,
+    )
     tensor_parallel_size: int = setting(
-        1, "shard the model over N worker processes started on this host (torch.distributed: "
+        1,
+        "shard the model over N worker processes started on this host (torch.distributed: "
         "gloo on CPU, NCCL on CUDA; default %(default)s). For several hosts, start `python -m "
         "tokenbudget.worker --rank R --world-size N --dist-init tcp://HOST:PORT` on each and "
-        "give rank 0's address to --worker", group=WORKERS, flags=("-tp",), metavar="N")
+        "give rank 0's address to --worker",
+        group=WORKERS,
+        flags=("-tp",),
+        metavar="N",
+    )
     # -- scheduler (SchedulerConfig's settings; its policy options are policy_options) --
     max_num_batched_tokens: int = _from(SchedulerConfig, "max_num_batched_tokens")
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
@@ -157,16 +248,23 @@ class EngineArgs:
     policy: str = _from(SchedulerConfig, "policy")
     async_scheduling: bool = _from(SchedulerConfig, "async_scheduling")
     enable_chunked_prefill: bool = setting(
-        True, "prompts longer than a step's budget are split into chunks: always on "
-        "(--no-enable-chunked-prefill is refused)", group=SCHEDULER)
+        True,
+        "prompts longer than a step's budget are split into chunks: always on "
+        "(--no-enable-chunked-prefill is refused)",
+        group=SCHEDULER,
+    )
     max_num_partial_prefills: int = setting(
-        1, "prompts partially prefilled at once: 1, what the scheduler does (other values are "
-        "refused)", group=SCHEDULER)
+        1,
+        "prompts partially prefilled at once: 1, what the scheduler does (other values are "
+        "refused)",
+        group=SCHEDULER,
+    )
     encoder_compute_budget: int = _from(SchedulerConfig, "encoder_compute_budget")
     encoder_cache_size: int = _from(SchedulerConfig, "encoder_cache_size")
     # vLLM's dict (or its JSON text).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _from(
-        SchedulerConfig, "speculative_config")
+        SchedulerConfig, "speculative_config"
+    )
     # The SGLang-style options of SchedulerConfig (core.config.POLICY_OPTIONS).
     policy_options: dict[str, Any] = field(default_factory=dict)
     # -- KV cache (CacheConfig's settings, under vLLM's names) --
@@ -174,9 +272,12 @@ class EngineArgs:
     enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
     num_gpu_blocks: int | None = _from(CacheConfig, "num_blocks")
     kv_cache_dtype: str = setting(
-        "auto", "auto (default): the model's dtype, the only one the cache is kept in; naming "
-        "that dtype is accepted, others and fp8 are refused", group=KV_CACHE,
-        choices=KV_CACHE_DTYPES)
+        "auto",
+        "auto (default): the model's dtype, the only one the cache is kept in; naming "
+        "that dtype is accepted, others and fp8 are refused",
+        group=KV_CACHE,
+        choices=KV_CACHE_DTYPES,
+    )
     # Bytes, or a size such as "2GiB" (parse_memory_size).
     kv_cache_memory: int | str | None = _from(CacheConfig, "kv_cache_memory_bytes")
     gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
@@ -200,8 +301,10 @@ class EngineArgs:
             if name not in names and name not in POLICY_OPTIONS:
                 raise TypeError(f"LLM() got an unknown engine argument {key!r}")
             if name in target and target[name] != value:
-                raise ValueError(f"{given_as[name]} and {key} name the same setting; give "
-                                 f"one (got {target[name]!r} and {value!r})")
+                raise ValueError(
+                    f"{given_as[name]} and {key} name the same setting; give "
+                    f"one (got {target[name]!r} and {value!r})"
+                )
             target[name], given_as[name] = value, key
         args = cls(model=model, policy_options=policy_options, **values)
         args.check()
@@ -211,89 +314,40 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         given = vars(ns)
         names = {f.name for f in dataclasses.fields(cls)} - {"policy_options"}
-        args = cls(policy_options={n: given[n] for n in POLICY_OPTIONS if n in given},
-                   **{n: given[n] for n in names if n in given})
+        args = cls(
+            policy_options={n: given[n] for n in POLICY_OPTIONS if n in given},
+            **{n: given[n] for n in names if n in given},
+        )
         args.check()
         return args
 
     def check(self) -> None:
         """Refuse what cannot be honoured, naming it and saying why."""
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            # The ranks are told what a remote worker is told (worker.proto Initialize).
-            for name, given in (("revision", self.revision is not None),
-                                ("trust_remote_code", self.trust_remote_code),
-                                ("kv_cache_dtype", self.kv_cache_dtype != "auto")):
-                if given:
-                    raise UnsupportedArgument(
-                        f"{name} with tensor_parallel_size > 1", "the ranks are told only the "
-                        "model path, dtype, device and attention backend; give the model as a "
-                        "local folder")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise UnsupportedArgument(
-                f"kv_cache_dtype={self.kv_cache_dtype!r}", "the attention kernels (torch SDPA, "
-                "flash-attn varlen) read K/V in the model's dtype, and there are no fp8 "
-                "attention kernels on CPU; use 'auto'")
-        if not self.enable_chunked_prefill:
-            raise UnsupportedArgument(
-                "enable_chunked_prefill=False", "the token-budget scheduler always splits a "
-                "prompt longer than the step's budget into chunks; to run short prompts "
-                "whole, raise max_num_batched_tokens")
-        if self.max_num_partial_prefills != 1:
-            raise UnsupportedArgument(
-                f"max_num_partial_prefills={self.max_num_partial_prefills}", "the scheduler "
-                "admits one partially prefilled prompt at a time (vLLM's default, 1); "
-                "long_prefill_token_threshold caps one prompt's chunk instead")
-        if self.generation_config not in ("auto", "vllm") and \
-                not os.path.isdir(os.path.expanduser(self.generation_config)):
-            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
-                             f"generation_config.json, got {self.generation_config!r}")
-        PoolerConfig.overrides(self.pooler_config)
-        check_compat(self)
-        if self.hash_algo == "xxhash":
-            try:
-                import xxhash  # noqa: F401
-            except ImportError:
-                raise ValueError("hash_algo='xxhash' needs the xxhash package, which is not "
-                                 "installed: pip install 'tokenbudget[fast-hash]', or use "
-                                 "hash_algo='sha256'") from None
-        self.cache_config()  # sizes and KV tier settings, checked before anything loads
-        if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        for name in ("max_image_pixels", "max_image_pixels_per_request", "max_prompt_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.grammar_cache_bytes < 0:
-            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
-        if self.grammar_compile_timeout_s <= 0:
-            raise ValueError(f"grammar_compile_timeout_s must be > 0, got "
-                             f"{self.grammar_compile_timeout_s}")
-        if self.enforce_eager:
-            logger.debug("enforce_eager: tokenbudget never captures CUDA graphs (always eager)")
+        check_engine_args(self)
 
     def max_logprobs_for(self, vocab_size: int) -> int:
         return vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     def input_limits(self, max_model_len: int) -> dict[str, Any]:
         """InputProcessor keywords: the context and the prompt and image limits."""
-        return {"max_model_len": max_model_len, "max_prompt_bytes": self.max_prompt_bytes,
-                "max_image_pixels": self.max_image_pixels,
-                "max_image_pixels_per_request": self.max_image_pixels_per_request,
-                "max_images_per_prompt": (self.limit_mm_per_prompt or {}).get("image")}
+        return {
+            "max_model_len": max_model_len,
+            "max_prompt_bytes": self.max_prompt_bytes,
+            "max_image_pixels": self.max_image_pixels,
+            "max_image_pixels_per_request": self.max_image_pixels_per_request,
+            "max_images_per_prompt": (self.limit_mm_per_prompt or {}).get("image"),
+        }
 
     def structured_output_manager(self, tokenizer: Any, vocab_size: int):
         """The StructuredOutputManager with these settings (xgrammar loads on first use)."""
         from tokenbudget.core.structured.manager import StructuredOutputManager
 
-        return StructuredOutputManager(tokenizer, vocab_size,
-                                       compile_timeout_s=self.grammar_compile_timeout_s,
-                                       cache_bytes=self.grammar_cache_bytes)
+        return StructuredOutputManager(
+            tokenizer,
+            vocab_size,
+            compile_timeout_s=self.grammar_compile_timeout_s,
+            cache_bytes=self.grammar_cache_bytes,
+        )
 
     def resolve_max_model_len(self, text_config) -> int:
         """The model's context limit (at most 8192 by default); a sliding window
@@ -306,8 +360,10 @@ class EngineArgs:
         window = sliding_window(text_config)
         if window is not None and window < limit:
             limit = window
-            why = (f"the model's sliding window of {window} tokens (attention is exact only "
-                   "within one window until a hybrid KV cache exists)")
+            why = (
+                f"the model's sliding window of {window} tokens (attention is exact only "
+                "within one window until a hybrid KV cache exists)"
+            )
         if self.max_model_len is None:
             if limit < DEFAULT_MAX_MODEL_LEN and window == limit:
                 logger.warning("max_model_len capped at %d: %s", limit, why)
@@ -317,22 +373,27 @@ class EngineArgs:
         return self.max_model_len
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)
-                 if f.name not in POLICY_OPTIONS}
-        return SchedulerConfig(**{**given, "max_model_len": max_model_len},
-                               **self.policy_options)
+        given = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(SchedulerConfig)
+            if f.name not in POLICY_OPTIONS
+        }
+        return SchedulerConfig(**{**given, "max_model_len": max_model_len}, **self.policy_options)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
-            block_size=self.block_size, num_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            num_blocks=self.num_gpu_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=parse_memory_size(self.kv_cache_memory),
-            gpu_memory_utilization=self.gpu_memory_utilization, hash_algo=self.hash_algo,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            hash_algo=self.hash_algo,
             hash_seed=self.hash_seed,
             kv_offload_memory_bytes=parse_memory_size(self.kv_offload_memory, "kv_offload_memory"),
             num_offload_blocks=self.num_offload_blocks,
             kv_load_blocks_per_step=self.kv_load_blocks_per_step,
-            enable_kv_cache_events=self.enable_kv_cache_events)
+            enable_kv_cache_events=self.enable_kv_cache_events,
+        )
 
     def read_chat_template(self) -> str | None:
         return read_chat_template(self.chat_template)
@@ -362,41 +423,3 @@ def parse_memory_size(value: int | str | None, name: str = "kv_cache_memory") ->
     number, unit, suffix = m.groups()
     base = 1000 if suffix == "b" else 1024
     return int(float(number) * base ** " kmgt".index(unit or " "))
-
-
-def engine_flags() -> list[tuple[str, list[str], dict[str, Any]]]:
-    """The flag of every engine setting, derived from its field: (group,
-    option strings, add_argument keywords), for EngineArgs' fields and
-    SchedulerConfig's policy options; dest is the field's name and the
-    default its default. vLLM's names (ALIASES) are further option strings."""
-    policy = (f for f in dataclasses.fields(SchedulerConfig) if f.name in POLICY_OPTIONS)
-    return [_flag(f) for f in (*dataclasses.fields(EngineArgs), *policy) if "help" in f.metadata]
-
-
-def _flag(f: dataclasses.Field) -> tuple[str, list[str], dict[str, Any]]:
-    meta = f.metadata
-    names = ["--" + f.name.replace("_", "-"), *meta.get("flags", ()),
-             *("--" + alias.replace("_", "-") for alias, name in ALIASES.items()
-               if name == f.name)]
-    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
-    kwargs.update((key, meta[key]) for key in ("choices", "metavar") if key in meta)
-    kinds = {t.strip() for t in str(f.type).split("|")} - {"None"}
-    if kinds == {"bool"}:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    elif "parse" in meta:
-        kwargs["type"] = _argument_type(meta["parse"])
-    elif kinds in ({"int"}, {"float"}):
-        kwargs["type"] = int if kinds == {"int"} else float
-    # Anything else is taken as text, which the config parses (sizes, JSON).
-    return meta["group"], names, kwargs
-
-
-def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` as an argparse type: its ValueError's message is the flag's error."""
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert

@@ -7,6 +7,7 @@ request gets a ``RequestStream`` (server/engine/streams.py); the engine thread
 puts RequestOutputs into it and the reader (a thread or an asyncio event
 loop) detokenizes, keeping the engine loop lean.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.kv.events import KVEventSubscription
 from tokenbudget.core.structured.manager import StructuredOutputManager
 from tokenbudget.server.engine.core import EngineCore
+from tokenbudget.server.engine.engine_stats import EngineStats, make_engine_stats
 from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.request import Request
@@ -35,35 +36,6 @@ class EngineDeadError(RuntimeError):
     """The engine (or a worker it drives) failed; no request can run."""
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_requests: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    encoder_cache_usage: float
-    num_generated_tokens: int
-    healthy: bool
-    # Speculative decoding (core/sched/stats.py), since start.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_mean_accepted_length: float = 0.0
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-    # The host KV tier (SchedulerStats' fields of the same names).
-    num_offload_blocks: int = 0
-    offload_blocks_used: int = 0
-    num_swapped_requests: int = 0
-    num_recomputed_tokens: int = 0
-    kv_swap_out_blocks: int = 0
-    kv_swap_in_blocks: int = 0
-
-
 class AsyncEngine:
     """Thread-safe front of an EngineCore.
 
@@ -72,14 +44,22 @@ class AsyncEngine:
     (tokenbudget.server.engine.metrics.EngineMetrics) is optional. The keyword
     arguments describe the model for GetModelInfo."""
 
-    def __init__(self, core: EngineCore, input_processor: Any | None = None,
-                 metrics: Any | None = None, *, model_name: str = "",
-                 eos_token_ids: list[int] | None = None, is_vision_language: bool = False,
-                 is_demo: bool = False, num_remote_workers: int = 0,
-                 served_model_name: str | None = None,
-                 sampling_defaults: dict[str, Any] | None = None,
-                 trace_recorder: Any | None = None,
-                 pooler_config: PoolerConfig | None = None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        input_processor: Any | None = None,
+        metrics: Any | None = None,
+        *,
+        model_name: str = "",
+        eos_token_ids: list[int] | None = None,
+        is_vision_language: bool = False,
+        is_demo: bool = False,
+        num_remote_workers: int = 0,
+        served_model_name: str | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
+        trace_recorder: Any | None = None,
+        pooler_config: PoolerConfig | None = None,
+    ) -> None:
         """``trace_recorder``: a server.engine.trace.TraceRecorder that sees
         every accepted request and its output length (no text), for replay.
         ``pooler_config``: the model's default pooling for embedding requests
@@ -155,8 +135,13 @@ class AsyncEngine:
         serve again after a failure."""
         self._recovery_callbacks.append(callback)
 
-    def add_request(self, request: Request | list[Request], *, detokenize: bool = True,
-                    request_id: str | None = None) -> RequestStream:
+    def add_request(
+        self,
+        request: Request | list[Request],
+        *,
+        detokenize: bool = True,
+        request_id: str | None = None,
+    ) -> RequestStream:
         """Queue a request, or the samples of one (request_builder.build_requests,
         ``request_id`` the caller's id for them all); errors found now raise
         here (DuplicateRequestError, ValueError, EngineDeadError), later ones
@@ -164,24 +149,32 @@ class AsyncEngine:
         requests = [request] if isinstance(request, Request) else list(request)
         request_id = request_id or requests[0].request_id
         if requests[0].num_tokens > self.max_model_len:
-            raise ValueError(f"prompt has {requests[0].num_tokens} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt has {requests[0].num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
         samples = []
         for i, r in enumerate(requests):
             params = r.sampling_params
             detok = None
             if detokenize and self.input_processor is not None:
-                detok = self.input_processor.detokenizer(params.skip_special_tokens,
-                                                         params.spaces_between_special_tokens)
+                detok = self.input_processor.detokenizer(
+                    params.skip_special_tokens, params.spaces_between_special_tokens
+                )
             elif params.stop:
-                raise ValueError("sampling_params.stop: stop strings need the engine to "
-                                 "detokenize (an input processor, detokenize=True)")
+                raise ValueError(
+                    "sampling_params.stop: stop strings need the engine to "
+                    "detokenize (an input processor, detokenize=True)"
+                )
             samples.append(SampleState(i, params, detok))
         stream = RequestStream(requests, samples, self._stop_sample, request_id=request_id)
         with self._lock:
             self._check_alive()
-            taken = [rid for rid in (request_id, *stream.samples)
-                     if rid in self._streams or rid in self._groups]
+            taken = [
+                rid
+                for rid in (request_id, *stream.samples)
+                if rid in self._streams or rid in self._groups
+            ]
             if taken:
                 raise DuplicateRequestError(f"request_id {taken[0]!r} already exists")
             self._groups[request_id] = stream
@@ -265,8 +258,12 @@ class AsyncEngine:
         core = self.core
         while True:
             with self._lock:
-                while not (self._commands or self._stopping or self._executor_failure or
-                           core.has_unfinished_requests()):
+                while not (
+                    self._commands
+                    or self._stopping
+                    or self._executor_failure
+                    or core.has_unfinished_requests()
+                ):
                     self._wakeup.wait()
                 if self._stopping:
                     return
@@ -376,9 +373,13 @@ class AsyncEngine:
             self.trace_recorder.on_finish(rid, recorded.num_output_tokens)
         if self.metrics is not None and stream.request_id not in self._groups:
             # The request's last sample.
-            self.metrics.observe_finished(stream.timing, now, request_id=stream.request_id,
-                                          num_prompt_tokens=stream.num_prompt_tokens,
-                                          finish_reason=finish_reason)
+            self.metrics.observe_finished(
+                stream.timing,
+                now,
+                request_id=stream.request_id,
+                num_prompt_tokens=stream.num_prompt_tokens,
+                finish_reason=finish_reason,
+            )
         return True
 
     def _close(self, rid: str) -> RequestStream | None:
@@ -421,23 +422,6 @@ class AsyncEngine:
             stream.put(exc)
 
     def _make_stats(self) -> EngineStats:
-        core = self.core
-        s = core.stats()
-        return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            num_requests=len(self._groups), kv_cache_usage=s.kv_cache_usage,
-            num_free_blocks=core.num_free_blocks(),
-            num_total_blocks=core.cache_config.num_blocks - 1,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, encoder_cache_usage=s.encoder_cache_usage,
-            num_generated_tokens=self._num_generated_tokens, healthy=self.healthy,
-            spec_num_drafts=s.spec_decoding.num_drafts,
-            spec_num_draft_tokens=s.spec_decoding.num_draft_tokens,
-            spec_num_accepted_tokens=s.spec_decoding.num_accepted_tokens,
-            spec_mean_accepted_length=s.spec_decoding.mean_accepted_length,
-            spec_accepted_per_position=s.spec_decoding.accepted_per_position,
-            num_offload_blocks=s.num_offload_blocks, offload_blocks_used=s.offload_blocks_used,
-            num_swapped_requests=s.num_swapped_requests,
-            num_recomputed_tokens=s.num_recomputed_tokens,
-            kv_swap_out_blocks=s.kv_swap_out_blocks, kv_swap_in_blocks=s.kv_swap_in_blocks)
-
+        return make_engine_stats(
+            self.core, len(self._groups), self._num_generated_tokens, self.healthy
+        )

@@ -10,6 +10,7 @@
 - ``limit_mm_per_prompt``: the most items of each modality one prompt may
   carry; the input processor refuses more (images are all we take).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,17 +39,21 @@ def parse_mm_limits(value: str | dict[str, Any] | None) -> dict[str, int] | None
         except json.JSONDecodeError as exc:
             raise ValueError(f"limit_mm_per_prompt is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ValueError(f'limit_mm_per_prompt must be a JSON object such as {{"image": 2}}, '
-                         f"got {value!r}")
+        raise ValueError(
+            f'limit_mm_per_prompt must be a JSON object such as {{"image": 2}}, got {value!r}'
+        )
     limits: dict[str, int] = {}
     for modality, limit in value.items():
         if modality not in MODALITIES:
-            raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (one of "
-                             f"{', '.join(MODALITIES)})")
+            raise ValueError(
+                f"limit_mm_per_prompt: unknown modality {modality!r} (one of "
+                f"{', '.join(MODALITIES)})"
+            )
         count = limit.get("count") if isinstance(limit, dict) else limit
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"limit_mm_per_prompt.{modality} must be an integer >= 0, "
-                             f"got {limit!r}")
+            raise ValueError(
+                f"limit_mm_per_prompt.{modality} must be an integer >= 0, got {limit!r}"
+            )
         limits[modality] = count
     return limits
 
@@ -57,12 +62,16 @@ def check_compat(args: Any) -> None:
     """Refuse, naming the setting, what these arguments cannot honour
     (``args``: EngineArgs, normalized in place)."""
     if args.tokenizer_mode not in TOKENIZER_MODES:
-        raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}, got "
-                         f"{args.tokenizer_mode!r}")
+        raise ValueError(
+            f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}, got "
+            f"{args.tokenizer_mode!r}"
+        )
     if args.tokenizer_mode != "auto":
         raise UnsupportedArgument(
-            f"tokenizer_mode={args.tokenizer_mode!r}", "tokenizers load with transformers' "
-            "AutoTokenizer, which has only the fast (Rust) ones; use 'auto'")
+            f"tokenizer_mode={args.tokenizer_mode!r}",
+            "tokenizers load with transformers' "
+            "AutoTokenizer, which has only the fast (Rust) ones; use 'auto'",
+        )
     args.limit_mm_per_prompt = parse_mm_limits(args.limit_mm_per_prompt)
 
 

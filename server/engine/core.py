@@ -26,6 +26,7 @@ answers for its scheduler (``stats()``, ``num_free_blocks()``,
 ``subscribe_kv_events``, ``structured_output``, ``reset_prefix_cache()``), so
 no front reaches into the scheduler.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,7 @@ from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.kv.events import KVEventSubscription
-from tokenbudget.core.outputs import (KVCacheSpec, ModelRunnerOutput, RequestOutput,
-                                      SchedulerOutput)
+from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.sched.scheduler import Scheduler
 from tokenbudget.core.sched.stats import SchedulerStats
@@ -49,10 +49,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 executor: Executor | Any,
-                 structured_output_manager: StructuredOutputManager | None = None, *,
-                 max_model_len_given: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        executor: Executor | Any,
+        structured_output_manager: StructuredOutputManager | None = None,
+        *,
+        max_model_len_given: bool = False,
+    ) -> None:
         """``executor``: an Executor, or an object with its three methods
         (``as_executor``). The configs are not written to: the engine's own,
         sized by the executor's KVCacheSpec, are ``scheduler_config`` and
@@ -64,8 +69,9 @@ class EngineCore:
         spec = executor.initialize(cache_config, scheduler_config)
         try:
             cache_config = sized_cache_config(cache_config, spec)
-            scheduler_config = fit_max_model_len(scheduler_config, cache_config, sized_by,
-                                                 max_model_len_given)
+            scheduler_config = fit_max_model_len(
+                scheduler_config, cache_config, sized_by, max_model_len_given
+            )
         except ValueError:
             executor.shutdown()
             raise
@@ -75,8 +81,12 @@ class EngineCore:
         self.executor = executor
         self.async_scheduling = scheduler_config.async_scheduling
         self._defer_masks = self.async_scheduling and executor.defers_grammar_bitmask
-        self.scheduler = Scheduler(scheduler_config, cache_config, structured_output_manager,
-                                   defer_grammar_bitmask=self._defer_masks)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            cache_config,
+            structured_output_manager,
+            defer_grammar_bitmask=self._defer_masks,
+        )
         # Steps sent to the executor whose outputs have not been applied.
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
@@ -150,9 +160,11 @@ class EngineCore:
         sent = False
         s = self.scheduler
         outputs: list[RequestOutput] = []
-        if (not self._defer_masks and any(so.structured_req_ids for so, _ in self._in_flight)) \
-                or s.num_stale_drafts or any(so.scheduled_spec_decode_tokens
-                                             for so, _ in self._in_flight):
+        if (
+            (not self._defer_masks and any(so.structured_req_ids for so, _ in self._in_flight))
+            or s.num_stale_drafts
+            or any(so.scheduled_spec_decode_tokens for so, _ in self._in_flight)
+        ):
             # The next grammar bitmask must see the tokens those steps sample:
             # with structured requests sampling, steps do not overlap. Nor do
             # they while drafts are verified: how many a step accepts decides
@@ -200,14 +212,19 @@ class EngineCore:
 
     def _can_schedule_more(self) -> bool:
         s = self.scheduler
-        return any(r.num_output_tokens + r.num_output_placeholders < r.max_tokens
-                   for r in s.running) or bool(s.waiting)
+        return any(
+            r.num_output_tokens + r.num_output_placeholders < r.max_tokens for r in s.running
+        ) or bool(s.waiting)
 
     def _flush_finished(self, so: SchedulerOutput) -> None:
         # Nothing to run, but workers must still hear about finished requests,
         # evicted encoder outputs and KV to copy out before its blocks are reused.
-        if so.finished_req_ids or so.free_encoder_mm_hashes or so.preempted_req_ids \
-                or so.kv_swap_out:
+        if (
+            so.finished_req_ids
+            or so.free_encoder_mm_hashes
+            or so.preempted_req_ids
+            or so.kv_swap_out
+        ):
             self.executor.execute_model(so).result()
 
     # -- after a worker failed -----------------------------------------------------------
@@ -216,8 +233,11 @@ class EngineCore:
         may come back) rather than a bug."""
         return isinstance(exc, ConnectionError) and self.executor.can_reinitialize
 
-    def discard_requests(self, scheduler_config: SchedulerConfig | None = None,
-                         cache_config: CacheConfig | None = None) -> None:
+    def discard_requests(
+        self,
+        scheduler_config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
+    ) -> None:
         """Forget every request and step in flight (their worker is gone): abort
         them all (their KV blocks and grammar matchers are released) and start
         a fresh scheduler (with the configs given, else the same), so nothing
@@ -226,10 +246,12 @@ class EngineCore:
         self._drop_in_flight()
         old = self.scheduler
         old.finish_requests(list(old.requests), RequestStatus.FINISHED_ABORTED)
-        self.scheduler = Scheduler(scheduler_config or old.scheduler_config,
-                                   cache_config or old.cache_config,
-                                   old.structured_output_manager,
-                                   defer_grammar_bitmask=self._defer_masks)
+        self.scheduler = Scheduler(
+            scheduler_config or old.scheduler_config,
+            cache_config or old.cache_config,
+            old.structured_output_manager,
+            defer_grammar_bitmask=self._defer_masks,
+        )
         # KV event subscribers stay; they see every block cleared.
         self.scheduler.kv_tiering.take_over_events(old.kv_tiering)
 
@@ -243,23 +265,29 @@ class EngineCore:
         back with a cache too small for any request."""
         spec = self.executor.reinitialize()
         cache_config = self.cache_config
-        if (spec.num_blocks, spec.num_offload_blocks) != \
-                (cache_config.num_blocks, cache_config.num_offload_blocks or 0):
+        if (spec.num_blocks, spec.num_offload_blocks) != (
+            cache_config.num_blocks,
+            cache_config.num_offload_blocks or 0,
+        ):
             # A refused pool leaves the old settings, so the next attempt
             # compares against them again.
-            restored = dataclasses.replace(self.scheduler_config,
-                                           max_model_len=self._max_model_len)
+            restored = dataclasses.replace(self.scheduler_config, max_model_len=self._max_model_len)
             try:
                 sized = sized_cache_config(cache_config, spec)
                 # Lowered even when max_model_len was given: refusing would
                 # stop serving every request, not just the longest ones.
-                fitted = fit_max_model_len(restored, sized, "the reconnected workers' cache",
-                                           given=False)
+                fitted = fit_max_model_len(
+                    restored, sized, "the reconnected workers' cache", given=False
+                )
             except ValueError as exc:  # not one token fits: wait for a better worker
-                raise ConnectionError(f"the workers came back with too small a KV cache: "
-                                      f"{exc}") from None
-            logger.warning("the workers came back with %d KV blocks (had %d)", spec.num_blocks,
-                           cache_config.num_blocks)
+                raise ConnectionError(
+                    f"the workers came back with too small a KV cache: {exc}"
+                ) from None
+            logger.warning(
+                "the workers came back with %d KV blocks (had %d)",
+                spec.num_blocks,
+                cache_config.num_blocks,
+            )
             self.discard_requests(fitted, sized)
 
     def _drop_in_flight(self) -> None:
@@ -282,18 +310,22 @@ def _kv_size_setting(cache_config: CacheConfig) -> str:
         return f"num_gpu_blocks={cache_config.num_blocks} (--num-gpu-blocks)"
     if cache_config.kv_cache_memory_bytes is not None:
         return f"kv_cache_memory={cache_config.kv_cache_memory_bytes} (--kv-cache-memory)"
-    return (f"gpu_memory_utilization={cache_config.gpu_memory_utilization:g} "
-            "(--gpu-memory-utilization; on CPU the default cache size)")
+    return (
+        f"gpu_memory_utilization={cache_config.gpu_memory_utilization:g} "
+        "(--gpu-memory-utilization; on CPU the default cache size)"
+    )
 
 
 def sized_cache_config(cache_config: CacheConfig, spec: KVCacheSpec) -> CacheConfig:
     """``cache_config`` with the pool sizes the workers allocated."""
-    return dataclasses.replace(cache_config, num_blocks=spec.num_blocks,
-                               num_offload_blocks=spec.num_offload_blocks)
+    return dataclasses.replace(
+        cache_config, num_blocks=spec.num_blocks, num_offload_blocks=spec.num_offload_blocks
+    )
 
 
-def fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                      sized_by: str, given: bool) -> SchedulerConfig:
+def fit_max_model_len(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, sized_by: str, given: bool
+) -> SchedulerConfig:
     """A request may grow to max_model_len tokens (plus its draft lookahead),
     and must then still fit in the whole cache alone, or it could never
     finish (vLLM refuses such a cache at start-up too). Refuse when
@@ -305,12 +337,20 @@ def fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConf
     if need <= capacity:
         return scheduler_config
     spec = f" + num_speculative_tokens={lookahead}" if lookahead else ""
-    what = (f"{sized_by} gives {capacity} tokens of KV cache "
-            f"({cache_config.num_blocks - 1} blocks of {cache_config.block_size}), less than "
-            f"max_model_len={scheduler_config.max_model_len}{spec} needs ({need})")
+    what = (
+        f"{sized_by} gives {capacity} tokens of KV cache "
+        f"({cache_config.num_blocks - 1} blocks of {cache_config.block_size}), less than "
+        f"max_model_len={scheduler_config.max_model_len}{spec} needs ({need})"
+    )
     if given or capacity - lookahead < 1:
-        raise ValueError(f"{what}; raise the KV cache (--num-gpu-blocks / --kv-cache-memory / "
-                         "--gpu-memory-utilization) or lower max_model_len (--max-model-len)")
-    logger.warning("%s: max_model_len lowered to %d (set --max-model-len to choose, or give "
-                   "the KV cache more room)", what, capacity - lookahead)
+        raise ValueError(
+            f"{what}; raise the KV cache (--num-gpu-blocks / --kv-cache-memory / "
+            "--gpu-memory-utilization) or lower max_model_len (--max-model-len)"
+        )
+    logger.warning(
+        "%s: max_model_len lowered to %d (set --max-model-len to choose, or give "
+        "the KV cache more room)",
+        what,
+        capacity - lookahead,
+    )
     return dataclasses.replace(scheduler_config, max_model_len=capacity - lookahead)

@@ -1,4 +1,5 @@
 """Token ids back to text, incrementally: the text deltas of a stream."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,17 +21,22 @@ class IncrementalDetokenizer:
     separately and joined with single spaces.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self._deltas: list[str] = []
         # Token id -> its text, for the added tokens that split segments.
-        self._added = _added_tokens(tokenizer, skip_special_tokens) \
-            if spaces_between_special_tokens else {}
+        self._added = (
+            _added_tokens(tokenizer, skip_special_tokens) if spaces_between_special_tokens else {}
+        )
         self._joined_any = False  # a sub-text was emitted: the next one needs a space
-        self._segment_start = 0   # first id of the current run of ordinary tokens
+        self._segment_start = 0  # first id of the current run of ordinary tokens
         self._backend = getattr(tokenizer, "_tokenizer", None)
         self._stream = None
         self._new_segment()
@@ -79,12 +85,12 @@ class IncrementalDetokenizer:
         return "".join(self._deltas)
 
     def _window_delta(self) -> str:
-        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self.token_ids[self._prefix_offset:])
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def flush(self) -> str:
         """At the end of the stream: whatever was held back, as is."""
@@ -98,8 +104,8 @@ class IncrementalDetokenizer:
         # Decode from the run's start so context-dependent decoders (a leading
         # space stripped at the start) see what the full decode sees.
         start = self._segment_start if self._stream is not None else self._prefix_offset
-        prefix = self._decode(self.token_ids[start:self._read_offset])
-        delta = self._decode(self.token_ids[start:])[len(prefix):]
+        prefix = self._decode(self.token_ids[start : self._read_offset])
+        delta = self._decode(self.token_ids[start:])[len(prefix) :]
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return delta
 
@@ -108,5 +114,8 @@ def _added_tokens(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
     """Added tokens that stand as sub-texts of their own (special ones only
     when they are not skipped)."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {i: t.content for i, t in added.items()
-            if not (skip_special_tokens and getattr(t, "special", False))}
+    return {
+        i: t.content
+        for i, t in added.items()
+        if not (skip_special_tokens and getattr(t, "special", False))
+    }

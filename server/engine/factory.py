@@ -5,6 +5,7 @@ workers), the scheduler and cache configs, the structured-output manager and
 the EngineCore over them. ``LLM`` takes the core; ``server`` wraps it in an
 AsyncEngine. The model must be given: ``server`` resolves its demo model first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,10 @@ from tokenbudget.server.engine.args import EngineArgs
 from tokenbudget.server.engine.async_engine import AsyncEngine
 from tokenbudget.server.engine.compat import use_download_dir
 from tokenbudget.server.engine.core import EngineCore
-from tokenbudget.server.engine.generation_defaults import (GenerationDefaults,
-                                                           load_generation_defaults)
+from tokenbudget.server.engine.generation_defaults import (
+    GenerationDefaults,
+    load_generation_defaults,
+)
 from tokenbudget.server.engine.input_processor import InputProcessor
 from tokenbudget.server.engine.pooler_defaults import load_pooler_config
 
@@ -32,12 +35,12 @@ class Placement:
     workers group. Without one (``LLM``) it runs in this process, or on
     ``tensor_parallel_size`` ranks started here with the executors' defaults."""
 
-    workers: tuple[str, ...]       # remote workers (HOST:PORT); empty: this host
-    secret: str | None             # the workers' shared secret
-    max_message_size: int          # of the worker stream, in bytes
-    connect_timeout: float         # seconds a remote worker has to accept
-    step_timeout: float            # seconds before a silent worker is hung; 0: never
-    torch_threads: int | None      # per tensor-parallel rank; None: a share of this host's
+    workers: tuple[str, ...]  # remote workers (HOST:PORT); empty: this host
+    secret: str | None  # the workers' shared secret
+    max_message_size: int  # of the worker stream, in bytes
+    connect_timeout: float  # seconds a remote worker has to accept
+    step_timeout: float  # seconds before a silent worker is hung; 0: never
+    torch_threads: int | None  # per tensor-parallel rank; None: a share of this host's
 
 
 @dataclass(slots=True)
@@ -52,8 +55,12 @@ class EngineParts:
     structured_output: StructuredOutputManager
 
 
-def build_engine_core(args: EngineArgs, placement: Placement | None = None, *,
-                      before_load: Callable[[], None] | None = None) -> EngineParts:
+def build_engine_core(
+    args: EngineArgs,
+    placement: Placement | None = None,
+    *,
+    before_load: Callable[[], None] | None = None,
+) -> EngineParts:
     """Load ``args.model`` and build its engine. Everything that can be
     refused without the weights is refused first; ``before_load`` runs just
     before they load (the server checks its port there)."""
@@ -64,38 +71,58 @@ def build_engine_core(args: EngineArgs, placement: Placement | None = None, *,
     if model is None:
         raise ValueError("EngineArgs.model is required to build an engine")
     use_download_dir(args.download_dir)
-    hf_config = load_config(model, revision=args.revision,
-                            trust_remote_code=args.trust_remote_code)
+    hf_config = load_config(model, revision=args.revision, trust_remote_code=args.trust_remote_code)
     check_supported(hf_config, model)
     text_config = hf_config.get_text_config()
     vocab_size = text_config.vocab_size
     max_model_len = args.resolve_max_model_len(text_config)
     scheduler_config, cache_config = args.scheduler_config(max_model_len), args.cache_config()
     input_processor = InputProcessor.from_pretrained(
-        model, vocab_size=vocab_size, trust_remote_code=args.trust_remote_code,
-        tokenizer=args.tokenizer, revision=args.revision,
-        chat_template=args.read_chat_template(), max_logprobs=args.max_logprobs_for(vocab_size),
-        **args.input_limits(max_model_len))
-    defaults = load_generation_defaults(model, source=args.generation_config,
-                                        revision=args.revision,
-                                        tokenizer_eos_token_id=input_processor.eos_token_id)
+        model,
+        vocab_size=vocab_size,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        chat_template=args.read_chat_template(),
+        max_logprobs=args.max_logprobs_for(vocab_size),
+        **args.input_limits(max_model_len),
+    )
+    defaults = load_generation_defaults(
+        model,
+        source=args.generation_config,
+        revision=args.revision,
+        tokenizer_eos_token_id=input_processor.eos_token_id,
+    )
     pooler_config = load_pooler_config(model, args.pooler_config, revision=args.revision)
     if before_load is not None:
         before_load()
     # Cheap until a structured request arrives (xgrammar loads then).
     structured = args.structured_output_manager(input_processor.tokenizer, vocab_size)
-    core = EngineCore(scheduler_config, cache_config, make_executor(args, placement), structured,
-                      max_model_len_given=args.max_model_len is not None)
-    logger.info("KV cache: %d blocks of %d tokens; async scheduling %s",
-                core.cache_config.num_blocks, core.cache_config.block_size,
-                "on" if args.async_scheduling else "off")
+    core = EngineCore(
+        scheduler_config,
+        cache_config,
+        make_executor(args, placement),
+        structured,
+        max_model_len_given=args.max_model_len is not None,
+    )
+    logger.info(
+        "KV cache: %d blocks of %d tokens; async scheduling %s",
+        core.cache_config.num_blocks,
+        core.cache_config.block_size,
+        "on" if args.async_scheduling else "off",
+    )
     return EngineParts(core, hf_config, input_processor, defaults, pooler_config, structured)
 
 
-def build_async_engine(args: EngineArgs, metrics: Any = None,
-                       placement: Placement | None = None, *,
-                       before_load: Callable[[], None] | None = None, is_demo: bool = False,
-                       record_trace: bool = False) -> AsyncEngine:
+def build_async_engine(
+    args: EngineArgs,
+    metrics: Any = None,
+    placement: Placement | None = None,
+    *,
+    before_load: Callable[[], None] | None = None,
+    is_demo: bool = False,
+    record_trace: bool = False,
+) -> AsyncEngine:
     """``build_engine_core``'s engine behind the thread-safe AsyncEngine
     (``metrics``: its observer; ``record_trace``: keep a TraceRecorder)."""
     parts = build_engine_core(args, placement, before_load=before_load)
@@ -105,13 +132,19 @@ def build_async_engine(args: EngineArgs, metrics: Any = None,
 
         trace_recorder = TraceRecorder(args.block_size)
     return AsyncEngine(
-        parts.core, parts.input_processor, metrics, model_name=args.model,
+        parts.core,
+        parts.input_processor,
+        metrics,
+        model_name=args.model,
         served_model_name=args.served_model_name,
         sampling_defaults=parts.generation_defaults.sampling,
         eos_token_ids=parts.generation_defaults.eos_token_ids,
         is_vision_language=getattr(parts.hf_config, "vision_config", None) is not None,
-        is_demo=is_demo, num_remote_workers=len(placement.workers) if placement else 0,
-        trace_recorder=trace_recorder, pooler_config=parts.pooler_config)
+        is_demo=is_demo,
+        num_remote_workers=len(placement.workers) if placement else 0,
+        trace_recorder=trace_recorder,
+        pooler_config=parts.pooler_config,
+    )
 
 
 def make_executor(args: EngineArgs, placement: Placement | None = None):
@@ -121,25 +154,45 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
         from tokenbudget.server.executor.remote import RemoteExecutor
 
         logger.info("driving remote workers %s", ", ".join(placement.workers))
-        return RemoteExecutor(list(placement.workers), args.model, dtype=args.dtype,
-                              device=args.device or "", attention_backend=args.attention_backend,
-                              max_message_size=max(placement.max_message_size, 256 << 20),
-                              connect_timeout=placement.connect_timeout,
-                              step_timeout=placement.step_timeout, secret=placement.secret)
+        return RemoteExecutor(
+            list(placement.workers),
+            args.model,
+            dtype=args.dtype,
+            device=args.device or "",
+            attention_backend=args.attention_backend,
+            max_message_size=max(placement.max_message_size, 256 << 20),
+            connect_timeout=placement.connect_timeout,
+            step_timeout=placement.step_timeout,
+            secret=placement.secret,
+        )
     if args.tensor_parallel_size > 1:
         from tokenbudget.server.executor.tensor_parallel import TensorParallelExecutor
 
         logger.info("starting %d tensor-parallel ranks", args.tensor_parallel_size)
-        extra = {} if placement is None else {"threads": placement.torch_threads,
-                                              "step_timeout": placement.step_timeout}
-        return TensorParallelExecutor(args.model, args.tensor_parallel_size, dtype=args.dtype,
-                                      device=args.device or "",
-                                      attention_backend=args.attention_backend, **extra)
+        extra = (
+            {}
+            if placement is None
+            else {"threads": placement.torch_threads, "step_timeout": placement.step_timeout}
+        )
+        return TensorParallelExecutor(
+            args.model,
+            args.tensor_parallel_size,
+            dtype=args.dtype,
+            device=args.device or "",
+            attention_backend=args.attention_backend,
+            **extra,
+        )
     from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
-    worker = Worker(args.model, dtype=args.dtype, device=args.device,
-                    attention_backend=args.attention_backend,
-                    trust_remote_code=args.trust_remote_code, revision=args.revision,
-                    kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
+    worker = Worker(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        trust_remote_code=args.trust_remote_code,
+        revision=args.revision,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+    )
     return InProcessExecutor(worker, async_mode=args.async_scheduling)

@@ -7,6 +7,7 @@ fronts fill in these values where a request did not choose (unset proto
 fields over gRPC; ``sampling_params=None`` in ``LLM.generate``, as vLLM's
 ``LLM.get_default_sampling_params``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,9 +20,14 @@ from tokenbudget.core.sampling_params import SamplingParams
 logger = logging.getLogger("tokenbudget.server")
 
 # generation_config.json field -> SamplingParams field: the ones vLLM takes.
-SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                   "max_new_tokens": "max_tokens"}
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass(slots=True)
@@ -35,8 +41,13 @@ class GenerationDefaults:
         return SamplingParams(**self.sampling)
 
 
-def load_generation_defaults(model: str, *, source: str = "auto", revision: str | None = None,
-                             tokenizer_eos_token_id: int | None = None) -> GenerationDefaults:
+def load_generation_defaults(
+    model: str,
+    *,
+    source: str = "auto",
+    revision: str | None = None,
+    tokenizer_eos_token_id: int | None = None,
+) -> GenerationDefaults:
     """``source``: "auto" (the model's file), "vllm" (no sampling defaults) or
     a folder holding a generation_config.json. EOS ids always come from the
     model's file (may be a list), else the tokenizer's EOS."""
@@ -46,18 +57,25 @@ def load_generation_defaults(model: str, *, source: str = "auto", revision: str 
     if source == "vllm":
         return GenerationDefaults(eos_ids)
     values = own if source == "auto" else _read(source, None, required=True)
-    sampling = {ours: values[theirs] for theirs, ours in SAMPLING_FIELDS.items()
-                if values.get(theirs) is not None}
+    sampling = {
+        ours: values[theirs]
+        for theirs, ours in SAMPLING_FIELDS.items()
+        if values.get(theirs) is not None
+    }
     if sampling:
         try:  # a bad value in the file is the checkpoint's problem: say whose
             SamplingParams(**sampling)
         except ValueError as exc:
-            raise ValueError(f"generation_config of {source if source != 'auto' else model!r} "
-                             f"has a sampling default we cannot use: {exc}; pass "
-                             "generation_config='vllm' to ignore it") from None
-        logger.info("sampling defaults from the model's generation_config.json (requests "
-                    "override them; --generation-config vllm ignores them): %s",
-                    ", ".join(f"{k}={v}" for k, v in sampling.items()))
+            raise ValueError(
+                f"generation_config of {source if source != 'auto' else model!r} "
+                f"has a sampling default we cannot use: {exc}; pass "
+                "generation_config='vllm' to ignore it"
+            ) from None
+        logger.info(
+            "sampling defaults from the model's generation_config.json (requests "
+            "override them; --generation-config vllm ignores them): %s",
+            ", ".join(f"{k}={v}" for k, v in sampling.items()),
+        )
     return GenerationDefaults(eos_ids, sampling)
 
 
@@ -65,8 +83,9 @@ def _read(path: str, revision: str | None, *, required: bool = False) -> dict[st
     """The fields the file sets (none when there is no file, unless required)."""
     from transformers import GenerationConfig
 
-    if required and not os.path.isfile(os.path.join(os.path.expanduser(path),
-                                                     "generation_config.json")):
+    if required and not os.path.isfile(
+        os.path.join(os.path.expanduser(path), "generation_config.json")
+    ):
         raise ValueError(f"generation_config: {path!r} holds no generation_config.json")
     try:
         return GenerationConfig.from_pretrained(path, revision=revision).to_diff_dict()

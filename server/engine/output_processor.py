@@ -12,6 +12,7 @@ A sample the engine stopped at a stop token (its EOS or a ``stop_token_ids``
 id) outputs that token's id but not its text, unless
 ``include_stop_str_in_output`` (vLLM's rule).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,20 @@ class SampleState:
     stop string can still end) are kept: growing one string per token would
     copy the whole text every token."""
 
-    __slots__ = ("index", "detokenizer", "stop", "include_stop", "min_tokens", "num_tokens",
-                 "finished", "stop_string", "_unsent", "_recent", "_keep", "_holdback")
+    __slots__ = (
+        "index",
+        "detokenizer",
+        "stop",
+        "include_stop",
+        "min_tokens",
+        "num_tokens",
+        "finished",
+        "stop_string",
+        "_unsent",
+        "_recent",
+        "_keep",
+        "_holdback",
+    )
 
     def __init__(self, index: int, params: SamplingParams, detokenizer: Any | None) -> None:
         self.index = index
@@ -87,8 +100,12 @@ class SampleState:
     def _take(self, out: RequestOutput, delta: SampleDelta) -> None:
         tokens = out.new_token_ids
         shown = tokens  # the tokens whose text is output
-        if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and tokens \
-                and not self.include_stop:
+        if (
+            out.finish_reason == "stop"
+            and not isinstance(out.stop_reason, str)
+            and tokens
+            and not self.include_stop
+        ):
             # The engine stopped at a stop token: EOS (no stop reason) or a stop_token_ids id.
             # As in vLLM its id is output, its text only with include_stop_str_in_output.
             # (A grammar's end, stop reason "grammar", is an ordinary token.)
@@ -102,9 +119,12 @@ class SampleState:
         self.num_tokens += len(tokens)
         delta.token_ids.extend(tokens)
         if out.logprobs is not None:
-            delta.logprobs = (delta.logprobs or []) + list(out.logprobs[:len(tokens)])
-        if self.stop_string is None and out.finish_reason is not None and \
-                self.detokenizer is not None:
+            delta.logprobs = (delta.logprobs or []) + list(out.logprobs[: len(tokens)])
+        if (
+            self.stop_string is None
+            and out.finish_reason is not None
+            and self.detokenizer is not None
+        ):
             tail = self.detokenizer.flush()
             if tail:
                 self._append(tail)
@@ -127,13 +147,13 @@ class SampleState:
             self._append(piece)
             # vLLM's rule: stop strings count only once min_tokens are out.
             if self.num_tokens + k + 1 > self.min_tokens and self._find_stop(len(piece)):
-                return tokens[:k + 1]
+                return tokens[: k + 1]
         return tokens
 
     def _append(self, piece: str) -> None:
         self._unsent += piece
         if self.stop:
-            self._recent = (self._recent[-self._keep:] if self._keep else "") + piece
+            self._recent = (self._recent[-self._keep :] if self._keep else "") + piece
 
     def _find_stop(self, num_new: int) -> bool:
         """Look for the earliest stop string that ends in the last ``num_new``

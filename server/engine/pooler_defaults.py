@@ -7,6 +7,7 @@ naming a ``Pooling`` module whose ``config.json`` sets the mode, and a
 a decoder, embedded as Qwen3-Embedding and vLLM's decoder embedders are: the
 last token's hidden state, L2-normalised.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,20 +19,29 @@ from tokenbudget.core.pooling_params import PoolerConfig
 logger = logging.getLogger(__name__)
 
 # sentence-transformers' Pooling config keys -> our pooling type.
-_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-             "pooling_mode_cls_token": "CLS"}
+_ST_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
 
 
-def load_pooler_config(model: str, override: dict | str | None = None, *,
-                       revision: str | None = None) -> PoolerConfig:
+def load_pooler_config(
+    model: str, override: dict | str | None = None, *, revision: str | None = None
+) -> PoolerConfig:
     """The default pooling of ``model`` (a local folder or hub id), with the
     fields of ``override`` (a dict or its JSON text) taking precedence."""
     fields = _sentence_transformers_fields(model, revision)
     source = "the checkpoint's sentence-transformers config" if fields else "the architecture"
     fields.update(PoolerConfig.overrides(override))
     config = PoolerConfig(**fields)
-    logger.debug("pooling default for %s: %s (from %s%s)", model, config, source,
-                 ", overridden by pooler_config" if override else "")
+    logger.debug(
+        "pooling default for %s: %s (from %s%s)",
+        model,
+        config,
+        source,
+        ", overridden by pooler_config" if override else "",
+    )
     return config
 
 
@@ -55,13 +65,17 @@ def _sentence_transformers_fields(model: str, revision: str | None) -> dict[str,
             continue
         kind = str(module.get("type", ""))
         if kind.endswith(".Pooling"):
-            config = _read_json(model, f"{module.get('path', '')}/config.json".lstrip("/"),
-                                revision) or {}
+            config = (
+                _read_json(model, f"{module.get('path', '')}/config.json".lstrip("/"), revision)
+                or {}
+            )
             mode = next((ours for key, ours in _ST_MODES.items() if config.get(key)), None)
             if mode is None:
-                raise ValueError(f"model {model!r}: its sentence-transformers Pooling config "
-                                 f"sets no mode we support ({', '.join(_ST_MODES)}); pass "
-                                 'pooler_config=\'{"pooling_type": "LAST"}\' to choose one')
+                raise ValueError(
+                    f"model {model!r}: its sentence-transformers Pooling config "
+                    f"sets no mode we support ({', '.join(_ST_MODES)}); pass "
+                    'pooler_config=\'{"pooling_type": "LAST"}\' to choose one'
+                )
             fields["pooling_type"] = mode
         elif kind.endswith(".Normalize"):
             fields["normalize"] = True
@@ -75,9 +89,13 @@ def _read_json(model: str, filename: str, revision: str | None) -> Any:
     from transformers.utils import cached_file
 
     try:
-        path = cached_file(model, filename, revision=revision,
-                           _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
+        path = cached_file(
+            model,
+            filename,
+            revision=revision,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
     except OSError:
         return None
     if path is None:

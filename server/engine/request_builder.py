@@ -3,6 +3,7 @@
 Shared by the offline ``LLM`` and the gRPC services so both build requests
 the same way (vocabulary checks, bad words, truncation, EOS ids, ``n``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,15 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
-def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
-                   params: SamplingParams, *, eos_token_ids: list[int] | None = None,
-                   **request_options) -> list[Request]:
+def build_requests(
+    processor: InputProcessor,
+    request_id: str,
+    prompt: Prompt,
+    params: SamplingParams,
+    *,
+    eos_token_ids: list[int] | None = None,
+    **request_options,
+) -> list[Request]:
     """The Requests of ``params.n`` samples of ``prompt``, in sample order.
 
     Samples share the prompt's KV through the prefix cache: the first one to
@@ -49,26 +56,49 @@ def build_requests(processor: InputProcessor, request_id: str, prompt: Prompt,
     if processor.max_model_len is not None:
         room = max(processor.max_model_len - len(token_ids), 1)
         if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room,
-                                         min_tokens=min(params.min_tokens, room))
+            params = dataclasses.replace(
+                params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+            )
     eos, *more_eos = eos_token_ids or [None]
     if more_eos and not params.ignore_eos:
         # Request holds one EOS id; the checkpoint's others stop like stop tokens.
         params = dataclasses.replace(
-            params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos)))
+            params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos))
+        )
     n = params.n
-    samples = [params] if n == 1 else [
-        dataclasses.replace(params, n=1,
-                            seed=None if params.seed is None else params.seed + i,
-                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-        for i in range(n)]
-    return [Request(sample_request_id(request_id, i, n), token_ids, p, eos_token_id=eos,
-                    mm_features=features, **request_options)
-            for i, p in enumerate(samples)]
+    samples = _sample_params(params)
+    return [
+        Request(
+            sample_request_id(request_id, i, n),
+            token_ids,
+            p,
+            eos_token_id=eos,
+            mm_features=features,
+            **request_options,
+        )
+        for i, p in enumerate(samples)
+    ]
 
 
-def make_requests(engine: AsyncEngine, request_id: str, prompt: Prompt,
-                  params: SamplingParams, **request_options) -> list[Request]:
+def _sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """The SamplingParams of each of ``params.n`` samples: sample i draws from
+    seed ``seed + i``; only sample 0 computes prompt logprobs."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(
+            params,
+            n=1,
+            seed=None if params.seed is None else params.seed + i,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+        )
+        for i in range(params.n)
+    ]
+
+
+def make_requests(
+    engine: AsyncEngine, request_id: str, prompt: Prompt, params: SamplingParams, **request_options
+) -> list[Request]:
     """The Requests of one request to a served ``engine`` (every gRPC front
     builds them here): a structured-output spec is parsed first, then
     build_requests with ``request_options`` (Request keywords: priority,
@@ -76,24 +106,42 @@ def make_requests(engine: AsyncEngine, request_id: str, prompt: Prompt,
     if params.structured is not None:
         manager = engine.structured_output
         if manager is None:
-            raise ValueError("sampling_params.structured: structured output is not enabled "
-                             "on this server")
+            raise ValueError(
+                "sampling_params.structured: structured output is not enabled on this server"
+            )
         try:  # parsing only (milliseconds); the compile runs off the engine loop
             manager.validate(params.structured)
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
-    return build_requests(engine.input_processor, request_id, prompt, params,
-                          eos_token_ids=engine.eos_token_ids, **request_options)
+    return build_requests(
+        engine.input_processor,
+        request_id,
+        prompt,
+        params,
+        eos_token_ids=engine.eos_token_ids,
+        **request_options,
+    )
 
 
-def build_pooling_request(processor: InputProcessor, request_id: str, prompt: Prompt,
-                          params: PoolingParams | None, pooler_config: PoolerConfig,
-                          **request_options) -> Request:
+def build_pooling_request(
+    processor: InputProcessor,
+    request_id: str,
+    prompt: Prompt,
+    params: PoolingParams | None,
+    pooler_config: PoolerConfig,
+    **request_options,
+) -> Request:
     """The Request of an embedding: ``params`` (None: the model's defaults)
     resolved against ``pooler_config``."""
     if params is not None and not isinstance(params, PoolingParams):
         raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
     resolved = (params or PoolingParams()).resolve(pooler_config)
     token_ids, features = processor.process(prompt)
-    return Request(request_id, token_ids, None, mm_features=features, pooling_params=resolved,
-                   **request_options)
+    return Request(
+        request_id,
+        token_ids,
+        None,
+        mm_features=features,
+        pooling_params=resolved,
+        **request_options,
+    )

@@ -14,6 +14,7 @@ request. The engine thread only records numbers (EngineMetrics
 forwards its hooks here); a daemon thread writes the periodic line, so an
 idle engine still gets its last line out.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class StatsLogger:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if interval > 0 and start:
-            self._thread = threading.Thread(target=self._run, name="tokenbudget-stats-logger",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="tokenbudget-stats-logger", daemon=True
+            )
             self._thread.start()
 
     # -- engine thread -----------------------------------------------------------------
@@ -58,9 +60,15 @@ class StatsLogger:
         """``stats``: the engine's EngineStats (running, waiting, KV usage, ...)."""
         self._stats = stats
 
-    def record_finished(self, timing: Any, now: float, *, request_id: str | None = None,
-                        num_prompt_tokens: int | None = None,
-                        finish_reason: str | None = None) -> None:
+    def record_finished(
+        self,
+        timing: Any,
+        now: float,
+        *,
+        request_id: str | None = None,
+        num_prompt_tokens: int | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
         """A request finished; ``timing`` has ``arrival``, ``first_token`` (or
         None) and ``num_tokens`` on the engine's monotonic clock."""
         self._num_finished += 1
@@ -103,15 +111,19 @@ class StatsLogger:
         kv = stats.kv_cache_usage if stats is not None else 0.0
         queries = stats.prefix_cache_queries if stats is not None else 0
         hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
-        line = (f"Avg generation throughput: {d_tokens / elapsed:.1f} tokens/s, "
-                f"Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {kv * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%, "
-                f"Finished: {d_finished} reqs, Preemptions: {d_preemptions}")
+        line = (
+            f"Avg generation throughput: {d_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {kv * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%, "
+            f"Finished: {d_finished} reqs, Preemptions: {d_preemptions}"
+        )
         if stats is not None and getattr(stats, "spec_num_drafts", 0):
             # Speculative decoding, since start (like the hit rate).
             rate = stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1)
-            line += (f", Draft acceptance rate: {rate * 100:.1f}%, "
-                     f"Mean accepted length: {stats.spec_mean_accepted_length:.2f}")
+            line += (
+                f", Draft acceptance rate: {rate * 100:.1f}%, "
+                f"Mean accepted length: {stats.spec_mean_accepted_length:.2f}"
+            )
         logger.info("%s", line)
         return line
 

@@ -2,6 +2,7 @@
 engine thread fills with RequestOutputs and a reader (a thread, or an
 asyncio event loop) turns into Chunks, detokenizing off the engine thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,10 +53,14 @@ class RequestStream:
     ``on_stop(engine_request_id)`` is called (on the reader's side) when a
     stop string ends a sample the engine is still running."""
 
-    def __init__(self, requests: Request | list[Request],
-                 samples: list[SampleState] | None = None,
-                 on_stop: Callable[[str], None] | None = None, *,
-                 request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        requests: Request | list[Request],
+        samples: list[SampleState] | None = None,
+        on_stop: Callable[[str], None] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> None:
         """``samples``: one per request (default: token ids only, no text)."""
         if isinstance(requests, Request):
             requests = [requests]
@@ -113,8 +118,7 @@ class RequestStream:
             if isinstance(item, BaseException):
                 raise item
             if item.prompt_logprobs:
-                self._prompt_logprobs = (self._prompt_logprobs or [None]) + \
-                    item.prompt_logprobs
+                self._prompt_logprobs = (self._prompt_logprobs or [None]) + item.prompt_logprobs
             by_sample.setdefault(item.request_id, []).append(item)
         chunks = []
         for rid, outputs in by_sample.items():
@@ -124,9 +128,15 @@ class RequestStream:
             delta = sample.update(outputs)
             if delta is None:
                 continue
-            chunk = Chunk(delta.token_ids, delta.text, delta.finish_reason,
-                          max(outputs[-1].num_cached_tokens, 0), delta.logprobs, delta.index,
-                          delta.stop_reason)
+            chunk = Chunk(
+                delta.token_ids,
+                delta.text,
+                delta.finish_reason,
+                max(outputs[-1].num_cached_tokens, 0),
+                delta.logprobs,
+                delta.index,
+                delta.stop_reason,
+            )
             chunk.pooling_output = outputs[-1].pooling_output
             if self._prompt_logprobs is not None and chunk.token_ids:
                 chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None

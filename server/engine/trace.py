@@ -4,6 +4,7 @@ prompt's full blocks; no token ids, no text). The simulator (server/sim)
 replays them: identical recorded hashes become identical synthetic blocks, so
 the replay shares exactly what the recording shared.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ if TYPE_CHECKING:
     from tokenbudget.core.request import Request
 
 TRACE_FORMAT = "tokenbudget-trace"
-
 
 
 @dataclass(slots=True)
@@ -53,10 +53,16 @@ class TraceRecorder:
         if self._t0 is None:
             self._t0 = request.arrival_time
         full = request.num_prompt_tokens // self.block_size
-        hashes = tuple(h.hex()[:self.hex_chars] for h in request.block_hashes[:full])
+        hashes = tuple(h.hex()[: self.hex_chars] for h in request.block_hashes[:full])
         self.requests[request.request_id] = TraceRequest(
-            request.arrival_time - self._t0, request.num_prompt_tokens, 0, block_hashes=hashes,
-            tenant=request.tenant, ttft_ms=request.ttft_ms, tpot_ms=request.tpot_ms)
+            request.arrival_time - self._t0,
+            request.num_prompt_tokens,
+            0,
+            block_hashes=hashes,
+            tenant=request.tenant,
+            ttft_ms=request.ttft_ms,
+            tpot_ms=request.tpot_ms,
+        )
 
     def on_finish(self, request_id: str, num_output_tokens: int) -> None:
         rec = self.requests.get(request_id)
@@ -67,8 +73,10 @@ class TraceRecorder:
         """JSON lines: a header, then one request per line, in arrival order."""
         recs = sorted(self.requests.values(), key=lambda r: r.arrival_s)
         with open(path, "w") as f:
-            f.write(json.dumps({"format": TRACE_FORMAT, "version": 1,
-                                "block_size": self.block_size}) + "\n")
+            f.write(
+                json.dumps({"format": TRACE_FORMAT, "version": 1, "block_size": self.block_size})
+                + "\n"
+            )
             for r in recs:
                 if r.output_len:  # finished requests only: an aborted one has no length
                     f.write(json.dumps(_compact(r)) + "\n")

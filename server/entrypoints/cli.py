@@ -12,6 +12,7 @@ The gRPC and metrics ports listen on 127.0.0.1 unless --host says otherwise;
 --tls-cert/--tls-key (and --tls-client-ca) serve TLS, --api-key requires
 "authorization: Bearer KEY" on every call but health checks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,8 @@ from importlib import metadata
 from typing import NoReturn
 
 from tokenbudget.core.utils.gc_policy import configure_gc
-from tokenbudget.server.engine.args import GROUPS, engine_flags
+from tokenbudget.server.engine.args import GROUPS
+from tokenbudget.server.engine.flags import engine_flags
 from tokenbudget.server.entrypoints.grpc.server import serve
 from tokenbudget.server.entrypoints.server_flags import AFTER_ENGINE, SERVER_FLAGS
 from tokenbudget.server.entrypoints.vllm_flags import add_vllm_flags, apply_vllm_flags
@@ -34,18 +36,30 @@ logger = logging.getLogger("tokenbudget.server")
 def build_parser() -> argparse.ArgumentParser:
     """The engine's flags (derived from EngineArgs and the config fields) and
     the server's own (server_flags.SERVER_FLAGS), in the groups of GROUPS."""
-    p = _Parser(prog="server", description=__doc__, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version",
-                   version=f"%(prog)s (tokenbudget) {metadata.version('tokenbudget')}")
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
+    p = _Parser(
+        prog="server",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s (tokenbudget) {metadata.version('tokenbudget')}",
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="the model, as `vllm serve MODEL` takes it (same as --model)",
+    )
     engine = engine_flags()
     for title in GROUPS:
         group = p.add_argument_group(title)
         ours = [(names, kwargs) for g, names, kwargs in SERVER_FLAGS if g == title]
         theirs = [(names, kwargs) for g, names, kwargs in engine if g == title]
-        for names, kwargs in (theirs + ours if title in AFTER_ENGINE else ours + theirs):
+        for names, kwargs in theirs + ours if title in AFTER_ENGINE else ours + theirs:
             group.add_argument(*names, **kwargs)
     add_vllm_flags(p)
     return p
@@ -57,11 +71,14 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         flags = [o for o in self._option_string_actions if o.startswith("--")]
-        guesses = [close for word in message.split() if word.startswith("--")
-                   for close in difflib.get_close_matches(word.split("=")[0], flags, n=1)]
+        guesses = [
+            close
+            for word in message.split()
+            if word.startswith("--")
+            for close in difflib.get_close_matches(word.split("=")[0], flags, n=1)
+        ]
         hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
-        print(f"{self.prog}: error: {' '.join(message.split())}{hint}", file=sys.stderr,
-              flush=True)
+        print(f"{self.prog}: error: {' '.join(message.split())}{hint}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -72,27 +89,36 @@ def engine_args_from(args: argparse.Namespace):
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"the model is given twice ({args.model_tag!r} and --model "
-                             f"{args.model!r}); give it once")
+            raise ValueError(
+                f"the model is given twice ({args.model_tag!r} and --model "
+                f"{args.model!r}); give it once"
+            )
         args.model = args.model_tag
     apply_vllm_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     check_server_flags(args)
     if args.worker and args.tensor_parallel_size > 1:
         raise UnsupportedArgument(
-            "--tensor-parallel-size with --worker", "ranks on other hosts are started with "
+            "--tensor-parallel-size with --worker",
+            "ranks on other hosts are started with "
             "`python -m tokenbudget.worker --rank R --world-size N --dist-init URL`; give "
-            "rank 0's address to --worker and leave --tensor-parallel-size at 1")
+            "rank 0's address to --worker and leave --tensor-parallel-size at 1",
+        )
     if args.worker:
         # Initialize carries the model path, dtype, device and attention backend only.
-        for flag, given in (("--revision", args.revision is not None),
-                            ("--download-dir", args.download_dir is not None),
-                            ("--trust-remote-code", args.trust_remote_code),
-                            ("--kv-cache-dtype", args.kv_cache_dtype != "auto")):
+        for flag, given in (
+            ("--revision", args.revision is not None),
+            ("--download-dir", args.download_dir is not None),
+            ("--trust-remote-code", args.trust_remote_code),
+            ("--kv-cache-dtype", args.kv_cache_dtype != "auto"),
+        ):
             if given:
-                raise UnsupportedArgument(f"{flag} with --worker", "a remote worker is told "
-                                          "only the model path, dtype, device and attention "
-                                          "backend; give --model a local folder it can read")
+                raise UnsupportedArgument(
+                    f"{flag} with --worker",
+                    "a remote worker is told "
+                    "only the model path, dtype, device and attention "
+                    "backend; give --model a local folder it can read",
+                )
     return engine_args
 
 
@@ -109,12 +135,12 @@ def check_server_flags(args: argparse.Namespace) -> None:
     if args.worker_step_timeout < 0:
         raise ValueError(f"--worker-step-timeout must be >= 0, got {args.worker_step_timeout}")
     if not args.worker_connect_timeout > 0:
-        raise ValueError("--worker-connect-timeout must be > 0, got "
-                         f"{args.worker_connect_timeout}")
+        raise ValueError(f"--worker-connect-timeout must be > 0, got {args.worker_connect_timeout}")
     if args.worker_secret_file is not None:
         if not args.worker:
-            raise ValueError("--worker-secret-file needs --worker: it authenticates the "
-                             "server to remote workers")
+            raise ValueError(
+                "--worker-secret-file needs --worker: it authenticates the server to remote workers"
+            )
         read_secret_file(args.worker_secret_file)
     if args.max_concurrent_rpcs < 1:
         raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {args.max_concurrent_rpcs}")
@@ -128,12 +154,15 @@ def _check_openai_port(args: argparse.Namespace) -> None:
 
     check_installed()
     if args.api_key is not None or args.tls_cert is not None:
-        raise ValueError("--openai-port with --api-key or --tls-cert is not supported: the "
-                         "gateway connects to this server without them; run sglang-router "
-                         "yourself with its own TLS and API key settings")
+        raise ValueError(
+            "--openai-port with --api-key or --tls-cert is not supported: the "
+            "gateway connects to this server without them; run sglang-router "
+            "yourself with its own TLS and API key settings"
+        )
     if args.openai_port == args.port or args.openai_port < 1:
-        raise ValueError(f"--openai-port must be a free port other than --port, got "
-                         f"{args.openai_port}")
+        raise ValueError(
+            f"--openai-port must be a free port other than --port, got {args.openai_port}"
+        )
     try:
         check_port_free(args.host, args.openai_port)
     except BindError as exc:
@@ -154,11 +183,19 @@ def build_engine(args: argparse.Namespace, metrics=None):
     is_demo = args.model is None
     engine_args.model = args.model or ensure_demo_model(args.demo_dir)
     if is_demo:
-        logger.warning("no --model given: serving the built-in DEMO model from %s "
-                       "(tiny Qwen3 with RANDOM weights; its text is gibberish)", engine_args.model)
-    return build_async_engine(engine_args, metrics, placement(args), is_demo=is_demo,
-                              before_load=partial(check_port_free, args.host, args.port),
-                              record_trace=bool(args.record_trace))
+        logger.warning(
+            "no --model given: serving the built-in DEMO model from %s "
+            "(tiny Qwen3 with RANDOM weights; its text is gibberish)",
+            engine_args.model,
+        )
+    return build_async_engine(
+        engine_args,
+        metrics,
+        placement(args),
+        is_demo=is_demo,
+        before_load=partial(check_port_free, args.host, args.port),
+        record_trace=bool(args.record_trace),
+    )
 
 
 def placement(args: argparse.Namespace):
@@ -167,18 +204,22 @@ def placement(args: argparse.Namespace):
     from tokenbudget.server.engine.factory import Placement
 
     secret = args.worker_secret_file
-    return Placement(workers=tuple(args.worker), max_message_size=args.max_message_size,
-                     secret=read_secret_file(secret) if secret else None,
-                     connect_timeout=args.worker_connect_timeout,
-                     step_timeout=args.worker_step_timeout,
-                     torch_threads=args.torch_threads or None)
+    return Placement(
+        workers=tuple(args.worker),
+        max_message_size=args.max_message_size,
+        secret=read_secret_file(secret) if secret else None,
+        connect_timeout=args.worker_connect_timeout,
+        step_timeout=args.worker_step_timeout,
+        torch_threads=args.torch_threads or None,
+    )
 
 
 def configure_logging(args: argparse.Namespace) -> None:
     """--log-level for tokenbudget's loggers; other libraries log at info and above."""
     level = getattr(logging, args.log_level.upper())
-    logging.basicConfig(level=max(level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("tokenbudget").setLevel(level)
 
 
@@ -186,9 +227,11 @@ def make_metrics(args: argparse.Namespace):
     """The engine's observer: Prometheus metrics and the stats / request log lines."""
     from tokenbudget.server.engine.metrics import EngineMetrics
 
-    return EngineMetrics(args.served_model_name or args.model or "demo",
-                         log_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
-                         log_requests=args.enable_log_requests)
+    return EngineMetrics(
+        args.served_model_name or args.model or "demo",
+        log_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+        log_requests=args.enable_log_requests,
+    )
 
 
 def _serve_metrics(args: argparse.Namespace, metrics) -> None:
@@ -224,8 +267,7 @@ def _main(argv: list[str] | None) -> None:
     if args.gc_threshold < 1:
         sys.exit(f"server: --gc-threshold must be >= 1, got {args.gc_threshold}")
     if args.gil_switch_interval_ms <= 0:
-        sys.exit("server: --gil-switch-interval-ms must be > 0, got "
-                 f"{args.gil_switch_interval_ms}")
+        sys.exit(f"server: --gil-switch-interval-ms must be > 0, got {args.gil_switch_interval_ms}")
     if args.log_stats_interval < 0:
         sys.exit(f"server: --log-stats-interval must be >= 0, got {args.log_stats_interval}")
     if args.torch_threads:
@@ -247,8 +289,9 @@ def _main(argv: list[str] | None) -> None:
             sys.exit(f"server: {exc}")
         # Start-up is done: freeze what it built and keep collections out of the steps.
         policy = configure_gc(args.gc_threshold)
-        logger.info("gc: froze %d start-up objects; thresholds %s", policy.frozen,
-                    policy.thresholds)
+        logger.info(
+            "gc: froze %d start-up objects; thresholds %s", policy.frozen, policy.thresholds
+        )
         sys.exit(serve(args, engine))
     except BindError as exc:  # the port is taken: say so, without a traceback
         sys.exit(f"server: {exc}")

@@ -11,6 +11,7 @@ serving TLS wants ``tls=True`` (the system's CAs) or ``root_certificates=``
 the PEM bytes of its CA, and for mutual TLS ``certificate_chain=`` and
 ``private_key=`` of the client's own certificate.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
@@ -62,16 +63,26 @@ class Embedding:
 
 
 class Client:
-    def __init__(self, target: str, *, max_message_size: int = 64 << 20,
-                 channel: grpc.Channel | None = None, api_key: str | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None,
-                 private_key: bytes | None = None) -> None:
-        options = [("grpc.max_send_message_length", max_message_size),
-                   ("grpc.max_receive_message_length", max_message_size)]
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_size: int = 64 << 20,
+        channel: grpc.Channel | None = None,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+    ) -> None:
+        options = [
+            ("grpc.max_send_message_length", max_message_size),
+            ("grpc.max_receive_message_length", max_message_size),
+        ]
         if channel is None and (tls or root_certificates or certificate_chain or private_key):
-            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
-                                                       certificate_chain)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates, private_key, certificate_chain
+            )
             channel = grpc.secure_channel(target, credentials, options=options)
         self.channel = channel or grpc.insecure_channel(target, options=options)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
@@ -90,29 +101,45 @@ class Client:
     def wait_ready(self, timeout: float = 60.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
-    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                        request_id: str | None = None, priority: int = 0,
-                        cache_salt: str | None = None, tenant: str | None = None,
-                        ttft_ms: float | None = None, tpot_ms: float | None = None,
-                        timeout: float | None = None,
-                        **sampling) -> Iterator[generate_pb2.GenerateResponse]:
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        ttft_ms: float | None = None,
+        tpot_ms: float | None = None,
+        timeout: float | None = None,
+        **sampling,
+    ) -> Iterator[generate_pb2.GenerateResponse]:
         """Yield GenerateResponse messages (token_ids and text deltas; the last
         has finish_reason and usage). Breaking out of the loop cancels the
         request on the server. ``sampling`` keywords build a SamplingParams; the
         server's defaults (the model's generation_config) fill the fields
         neither names."""
-        request = make_request(prompt, sampling_params or SamplingParams(**sampling),
-                               request_id=request_id, priority=priority, cache_salt=cache_salt,
-                               tenant=tenant, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-                               only=None if sampling_params is not None else sampling)
+        request = make_request(
+            prompt,
+            sampling_params or SamplingParams(**sampling),
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            tenant=tenant,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
+            only=None if sampling_params is not None else sampling,
+        )
         call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
             call.cancel()  # a no-op once the stream ended
 
-    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                 **kwargs) -> Completion:
+    def generate(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, **kwargs
+    ) -> Completion:
         """Run one request to completion; returns its first sample (all of them
         in ``.samples``)."""
         samples: dict[int, Completion] = {}
@@ -125,10 +152,12 @@ class Client:
             out.text += msg.text
             if msg.logprobs:
                 out.logprobs = (out.logprobs or []) + [
-                    dict(zip(t.token_ids, t.logprobs)) for t in msg.logprobs]
+                    dict(zip(t.token_ids, t.logprobs)) for t in msg.logprobs
+                ]
             if msg.prompt_logprobs:
-                prompt_logprobs = [dict(zip(t.token_ids, t.logprobs)) or None
-                                   for t in msg.prompt_logprobs]
+                prompt_logprobs = [
+                    dict(zip(t.token_ids, t.logprobs)) or None for t in msg.prompt_logprobs
+                ]
             if msg.finish_reason:
                 out.finish_reason = msg.finish_reason
                 kind = msg.WhichOneof("stop_reason")
@@ -143,17 +172,28 @@ class Client:
         first.prompt_logprobs = prompt_logprobs
         return first
 
-    def embed(self, prompt: str | Sequence[int] | dict[str, Any],
-              pooling_params: PoolingParams | None = None, *, request_id: str | None = None,
-              priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
-              timeout: float | None = None, **pooling) -> Embedding:
+    def embed(
+        self,
+        prompt: str | Sequence[int] | dict[str, Any],
+        pooling_params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        timeout: float | None = None,
+        **pooling,
+    ) -> Embedding:
         """The embedding of one prompt (text, token ids, ``{"prompt_token_ids":
         [...]}`` or ``{"text": ...}``). ``pooling`` keywords (pooling_type, normalize) build a
         PoolingParams; fields neither names take the model's default."""
         params = pooling_params or PoolingParams(**pooling)
         msg = generate_pb2.EmbedRequest(priority=priority)
-        for name, value in (("request_id", request_id), ("cache_salt", cache_salt),
-                            ("tenant", tenant)):
+        for name, value in (
+            ("request_id", request_id),
+            ("cache_salt", cache_salt),
+            ("tenant", tenant),
+        ):
             if value is not None:
                 setattr(msg, name, value)
         if isinstance(prompt, dict) and "text" in prompt:
@@ -161,16 +201,25 @@ class Client:
         if isinstance(prompt, str):
             msg.text = prompt
         else:
-            ids = prompt.get("prompt_token_ids", prompt.get("token_ids")) \
-                if isinstance(prompt, dict) else prompt
+            ids = (
+                prompt.get("prompt_token_ids", prompt.get("token_ids"))
+                if isinstance(prompt, dict)
+                else prompt
+            )
             if ids is None:
                 raise ValueError("prompt dict needs 'prompt_token_ids' or 'text'")
             msg.token_ids.ids.extend(ids)
             msg.token_ids.SetInParent()
         convert.pooling_params_to_proto(params, msg.pooling_params)
         reply = self.stub.Embed(msg, timeout=timeout, metadata=self.metadata)
-        return Embedding(reply.request_id, list(reply.embedding), reply.pooling_type,
-                         reply.normalize, reply.usage.prompt_tokens, reply.usage.cached_tokens)
+        return Embedding(
+            reply.request_id,
+            list(reply.embedding),
+            reply.pooling_type,
+            reply.normalize,
+            reply.usage.prompt_tokens,
+            reply.usage.cached_tokens,
+        )
 
     def abort(self, request_id: str) -> None:
         self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id), metadata=self.metadata)
@@ -185,7 +234,8 @@ class Client:
         """The server's KV cache events (core/kv/events.py): an iterator of
         KVEventBatch, a snapshot first; ``cancel()`` on it ends the stream."""
         calls = self.stub.SubscribeKvEvents(
-            generate_pb2.SubscribeKvEventsRequest(max_pending=max_pending))
+            generate_pb2.SubscribeKvEventsRequest(max_pending=max_pending)
+        )
         return _KvEventStream(calls)
 
 
@@ -201,11 +251,18 @@ class _KvEventStream:
         self._calls.cancel()
 
 
-def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
-                 request_id: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None, tenant: str | None = None,
-                 ttft_ms: float | None = None, tpot_ms: float | None = None,
-                 only: Collection[str] | None = None) -> generate_pb2.GenerateRequest:
+def make_request(
+    prompt: Prompt,
+    sampling_params: SamplingParams,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    tenant: str | None = None,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+    only: Collection[str] | None = None,
+) -> generate_pb2.GenerateRequest:
     """A GenerateRequest from a prompt: a string, a list of token ids,
     ``{"token_ids": [...]}``, ``{"text": ..., "images": [bytes]}`` or
     ``{"messages": [{"role": ..., "content": str | [{"type": "text"|"image", ...}]}]}``.
@@ -214,8 +271,12 @@ def make_request(prompt: Prompt, sampling_params: SamplingParams, *,
     msg = generate_pb2.GenerateRequest(priority=priority)
     if request_id is not None:
         msg.request_id = request_id
-    for name, value in (("cache_salt", cache_salt), ("tenant", tenant), ("ttft_ms", ttft_ms),
-                        ("tpot_ms", tpot_ms)):
+    for name, value in (
+        ("cache_salt", cache_salt),
+        ("tenant", tenant),
+        ("ttft_ms", ttft_ms),
+        ("tpot_ms", tpot_ms),
+    ):
         if value is not None:
             setattr(msg, name, value)
     convert.sampling_params_to_proto(sampling_params, msg.sampling_params)

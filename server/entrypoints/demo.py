@@ -5,6 +5,7 @@ built once into a cache folder (``~/.cache/tokenbudget/demo`` unless
 ``TOKENBUDGET_CACHE`` or ``--demo-dir`` says otherwise) and reused. Its
 weights are random: the text it writes is gibberish, by design.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """LLM: offline batch generation in one process, like ``vllm.LLM``."""
+
 from __future__ import annotations
 
 import itertools
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import Request
 from tokenbudget.core.sampling_params import SamplingParams
@@ -146,9 +148,12 @@ class LLM:
     def tokenizer(self):
         return self.input_processor.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
         """One result per prompt, in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -157,8 +162,9 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params: got {len(sampling_params)} for "
-                             f"{len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts"
+            )
         results: list[GenerationResult] = []
         # Engine request id -> (its result, its sample's output, its SampleState).
         samples: dict[str, tuple[GenerationResult, CompletionOutput, SampleState]] = {}
@@ -171,10 +177,14 @@ class LLM:
             raise
         return results
 
-    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[GenerationResult]:
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerationResult]:
         """Like vLLM's ``LLM.chat``: one conversation (a list of ``{"role",
         "content"}`` messages) or a list of them, each rendered with the chat
         template (``chat_template``, inline or a file, replaces the
@@ -185,16 +195,21 @@ class LLM:
         template = read_chat_template(chat_template)
         prompts: list[Prompt] = []
         for conversation in conversations:
-            prompt: dict = {"messages": list(conversation),
-                            "add_generation_prompt": add_generation_prompt}
+            prompt: dict = {
+                "messages": list(conversation),
+                "add_generation_prompt": add_generation_prompt,
+            }
             if template is not None:
                 prompt["chat_template"] = template
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order. ``pooling_params`` (one
         or one per prompt) override the model's default pooling
         (``self.pooler_config``) field by field. Embedding requests share
@@ -204,19 +219,22 @@ class LLM:
         if not isinstance(pooling_params, (list, tuple)):
             pooling_params = [pooling_params] * len(prompts)
         if len(pooling_params) != len(prompts):
-            raise ValueError(f"pooling_params: got {len(pooling_params)} for "
-                             f"{len(prompts)} prompts")
+            raise ValueError(
+                f"pooling_params: got {len(pooling_params)} for {len(prompts)} prompts"
+            )
         pending: dict[str, int] = {}
         results: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
         requests = []
         for i, (prompt, params) in enumerate(zip(prompts, pooling_params)):
             rid = f"llm-{next(self._ids)}"
-            requests.append(build_pooling_request(self.input_processor, rid, prompt, params,
-                                                  self.pooler_config))
+            requests.append(
+                build_pooling_request(self.input_processor, rid, prompt, params, self.pooler_config)
+            )
             pending[rid] = i
         progress = None
         if use_tqdm:
             from tqdm import tqdm
+
             progress = tqdm(total=len(prompts), desc="embed")
         try:
             for req in requests:
@@ -226,14 +244,7 @@ class LLM:
                     i = pending.pop(out.request_id, None) if out.finished else None
                     if i is None:
                         continue
-                    if out.pooling_output is None:
-                        raise RuntimeError(f"embedding request {out.request_id} finished "
-                                           f"({out.finish_reason}) without a vector")
-                    req = requests[i]
-                    results[i] = EmbeddingRequestOutput(
-                        req.request_id, req.prompt_token_ids,
-                        EmbeddingOutput(out.pooling_output.tolist()),
-                        max(out.num_cached_tokens, 0))
+                    results[i] = _embedding_result(requests[i], out)
                     if progress is not None:
                         progress.update(1)
         except BaseException:
@@ -244,25 +255,27 @@ class LLM:
                 progress.close()
         return results
 
-    def _make_requests(self, prompt: Prompt, params: SamplingParams
-                       ) -> tuple[str, list[Request]]:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams) -> tuple[str, list[Request]]:
         """The id of one prompt's result and its engine requests, one per sample."""
         if params.structured is not None:
             self.structured_output.validate(params.structured)  # a bad spec fails here
         rid = f"llm-{next(self._ids)}"
-        return rid, build_requests(self.input_processor, rid, prompt, params,
-                                   eos_token_ids=self.eos_token_ids)
+        return rid, build_requests(
+            self.input_processor, rid, prompt, params, eos_token_ids=self.eos_token_ids
+        )
 
-    def _add(self, prompt: Prompt, params: SamplingParams, results: list[GenerationResult],
-             samples: dict) -> None:
+    def _add(
+        self, prompt: Prompt, params: SamplingParams, results: list[GenerationResult], samples: dict
+    ) -> None:
         rid, requests = self._make_requests(prompt, params)
         result = GenerationResult(rid, requests[0].prompt_token_ids)
         results.append(result)
         for i, req in enumerate(requests):
             output = CompletionOutput(i)
             result.outputs.append(output)
-            detok = self.input_processor.detokenizer(params.skip_special_tokens,
-                                                     params.spaces_between_special_tokens)
+            detok = self.input_processor.detokenizer(
+                params.skip_special_tokens, params.spaces_between_special_tokens
+            )
             samples[req.request_id] = (result, output, SampleState(i, params, detok))
             self.engine.add_request(req)
 
@@ -270,6 +283,7 @@ class LLM:
         progress = None
         if use_tqdm:
             from tqdm import tqdm
+
             progress = tqdm(total=len(samples), desc="generate")
         pending = len(samples)
         while pending and self.engine.has_unfinished_requests():
@@ -289,8 +303,9 @@ class LLM:
                 if out.error is not None:  # e.g. its grammar failed to compile
                     raise out.error
                 if out.prompt_logprobs:
-                    result.prompt_logprobs = (result.prompt_logprobs or [None]) + \
-                        out.prompt_logprobs
+                    result.prompt_logprobs = (
+                        result.prompt_logprobs or [None]
+                    ) + out.prompt_logprobs
                 if state.finished:
                     continue  # stopped by a string; its last steps were in flight
                 delta = state.update([out])
@@ -302,8 +317,10 @@ class LLM:
                 if delta.logprobs is not None:
                     output.logprobs = (output.logprobs or []) + delta.logprobs
                 if delta.finish_reason is not None:
-                    output.finish_reason, output.stop_reason = delta.finish_reason, \
-                        delta.stop_reason
+                    output.finish_reason, output.stop_reason = (
+                        delta.finish_reason,
+                        delta.stop_reason,
+                    )
                     if state.stopped_by_string:
                         self.engine.stop_requests([out.request_id])
                     pending -= 1
@@ -315,3 +332,16 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
+
+def _embedding_result(req: Request, out: RequestOutput) -> EmbeddingRequestOutput:
+    """A finished embedding request's result; RuntimeError if it has no vector."""
+    if out.pooling_output is None:
+        raise RuntimeError(
+            f"embedding request {out.request_id} finished ({out.finish_reason}) without a vector"
+        )
+    return EmbeddingRequestOutput(
+        req.request_id,
+        req.prompt_token_ids,
+        EmbeddingOutput(out.pooling_output.tolist()),
+        max(out.num_cached_tokens, 0),
+    )

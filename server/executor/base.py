@@ -17,6 +17,7 @@ default an executor without it gets, so the engine asks instead of probing:
 ``as_executor`` adapts an object written to the old duck-typed protocol (the
 three methods; ``initialize`` returning a block count).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -32,8 +33,9 @@ class Executor(ABC):
     defers_grammar_bitmask: bool = False
 
     @abstractmethod
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
         """Load the model and allocate the KV cache ``cache_config`` asks for;
         return what was allocated. ``cache_config`` is not written to."""
 
@@ -85,8 +87,9 @@ class _Adapted(Executor):
         self._add_failure_callback = getattr(inner, "add_failure_callback", None)
         self._cache_config: CacheConfig | None = None
 
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
         self._cache_config = cache_config
         return kv_cache_spec(self.inner.initialize(cache_config, scheduler_config), cache_config)
 

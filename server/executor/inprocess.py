@@ -1,4 +1,5 @@
 """InProcessExecutor: the Executor over a Worker in this process."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,11 +22,13 @@ class InProcessExecutor(Executor):
         # a sync step runs on the engine's own thread and would wait forever.
         self.defers_grammar_bitmask = async_mode
         # One thread: the runner's state requires steps to execute in order.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenbudget-worker") \
-            if async_mode else None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="tokenbudget-worker") if async_mode else None
+        )
 
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
         return self.worker.initialize(cache_config, scheduler_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:

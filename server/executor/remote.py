@@ -17,6 +17,7 @@ streams: the engine calls it, with backoff, until the workers are back.
 With a ``secret``, every call carries ``authorization: Bearer <secret>``
 metadata, which workers started with ``--worker-secret-file`` require.
 """
+
 from __future__ import annotations
 
 import logging
@@ -82,10 +83,19 @@ class RemoteExecutor(Executor):
     # The server flag that sets ``connect_timeout``, named when it runs out.
     connect_timeout_flag = "--worker-connect-timeout"
 
-    def __init__(self, addresses: list[str], model: str, *, dtype: str = "auto",
-                 device: str = "", attention_backend: str = "auto",
-                 max_message_size: int = 256 << 20, connect_timeout: float = 120.0,
-                 step_timeout: float = 0.0, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "",
+        attention_backend: str = "auto",
+        max_message_size: int = 256 << 20,
+        connect_timeout: float = 120.0,
+        step_timeout: float = 0.0,
+        secret: str | None = None,
+    ) -> None:
         """``connect_timeout``: how long initialize waits for a worker to accept
         the connection; ``step_timeout`` (seconds, 0 = never): a worker that
         leaves a step unanswered that long is declared hung."""
@@ -94,21 +104,24 @@ class RemoteExecutor(Executor):
         if step_timeout < 0:
             raise ValueError(f"step_timeout must be >= 0, got {step_timeout}")
         self._addresses = list(addresses)
-        self._options = [("grpc.max_send_message_length", max_message_size),
-                         ("grpc.max_receive_message_length", max_message_size),
-                         # While a worker restarts, retry the connection every
-                         # 0.25-2 s (gRPC's default backs off to 2 min), so
-                         # it is found within 2 s of listening.
-                         ("grpc.initial_reconnect_backoff_ms", 250),
-                         ("grpc.min_reconnect_backoff_ms", 250),
-                         ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._options = [
+            ("grpc.max_send_message_length", max_message_size),
+            ("grpc.max_receive_message_length", max_message_size),
+            # While a worker restarts, retry the connection every
+            # 0.25-2 s (gRPC's default backs off to 2 min), so
+            # it is found within 2 s of listening.
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
         self._metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
         self._conns: list[_Connection] = []
         # Connections being initialised: shutdown closes them too, which ends
         # an Initialize that a hung worker would leave unanswered.
         self._connecting: list[_Connection] = []
         self._init = worker_pb2.InitializeRequest(
-            model=model, dtype=dtype, device=device, attention_backend=attention_backend)
+            model=model, dtype=dtype, device=device, attention_backend=attention_backend
+        )
         self._connect_timeout = connect_timeout
         self._step_timeout = step_timeout
         self._lock = threading.Lock()
@@ -125,16 +138,20 @@ class RemoteExecutor(Executor):
     def add_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._failure_callbacks.append(callback)
 
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
         # Kept as sent: reinitialize asks the workers for the same configuration.
         convert.configs_to_proto(cache_config, scheduler_config, self._init)
         flag = self.connect_timeout_flag
-        spec = self._connect(self._connect_timeout, f"{flag}={self._connect_timeout:g} s"
-                             if flag else f"{self._connect_timeout:g} s")
+        spec = self._connect(
+            self._connect_timeout,
+            f"{flag}={self._connect_timeout:g} s" if flag else f"{self._connect_timeout:g} s",
+        )
         if self._step_timeout:
-            threading.Thread(target=self._watch, daemon=True,
-                             name="tokenbudget-remote-watchdog").start()
+            threading.Thread(
+                target=self._watch, daemon=True, name="tokenbudget-remote-watchdog"
+            ).start()
         return spec
 
     @property
@@ -152,8 +169,9 @@ class RemoteExecutor(Executor):
         spec = self._connect(connect_timeout, f"{connect_timeout:g} s")
         with self._lock:
             self._error = None
-        logger.info("workers %s are back (%d KV blocks)", ", ".join(self._addresses),
-                    spec.num_blocks)
+        logger.info(
+            "workers %s are back (%d KV blocks)", ", ".join(self._addresses), spec.num_blocks
+        )
         return spec
 
     def _connect(self, connect_timeout: float, timeout_setting: str) -> KVCacheSpec:
@@ -176,10 +194,12 @@ class RemoteExecutor(Executor):
                 except grpc.FutureTimeoutError:
                     raise WorkerUnavailableError(
                         f"worker {conn.address}: initialize failed (nothing accepted the "
-                        f"connection within {timeout_setting})") from None
+                        f"connection within {timeout_setting})"
+                    ) from None
                 except (grpc.FutureCancelledError, grpc.RpcError) as exc:
                     raise WorkerUnavailableError(
-                        f"worker {conn.address}: initialize failed ({_describe(exc)})") from None
+                        f"worker {conn.address}: initialize failed ({_describe(exc)})"
+                    ) from None
         except WorkerUnavailableError:
             for conn in conns:
                 conn.channel.close()
@@ -193,8 +213,12 @@ class RemoteExecutor(Executor):
             self._encoder = step_stream.SchedulerOutputEncoder()  # request handles are per stream
         for conn in conns:
             stream = conn.stub.ExecuteModel(conn.requests(), metadata=self._metadata)
-            conn.reader = threading.Thread(target=self._read, args=(conn, stream), daemon=True,
-                                           name=f"tokenbudget-remote-{conn.rank}")
+            conn.reader = threading.Thread(
+                target=self._read,
+                args=(conn, stream),
+                daemon=True,
+                name=f"tokenbudget-remote-{conn.rank}",
+            )
             conn.reader.start()
         # The smallest cache any worker has; host KV tier slots likewise (0: none).
         return KVCacheSpec(min(num_blocks), min(num_offload))
@@ -220,9 +244,12 @@ class RemoteExecutor(Executor):
         if self._error is not None:
             return False
         try:
-            return all(c.stub.Health(worker_pb2.HealthRequest(), metadata=self._metadata,
-                                     timeout=timeout).healthy
-                       for c in self._conns)
+            return all(
+                c.stub.Health(
+                    worker_pb2.HealthRequest(), metadata=self._metadata, timeout=timeout
+                ).healthy
+                for c in self._conns
+            )
         except grpc.RpcError:
             return False
 
@@ -262,16 +289,14 @@ class RemoteExecutor(Executor):
                 if done and not step.future.done():
                     step.future.set_result(step.output)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and self._error is None and \
-                    not conn.pending:
+            if exc.code() == grpc.StatusCode.CANCELLED and self._error is None and not conn.pending:
                 return  # our own shutdown
             self._fail(WorkerUnavailableError(f"worker {conn.address}: {_describe(exc)}"), conn)
         except WorkerUnavailableError as exc:
             self._fail(exc, conn)
         else:
             if conn.pending:  # the worker ended the stream with steps unanswered
-                self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"),
-                           conn)
+                self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"), conn)
 
     def _watch(self) -> None:
         """Declare a worker hung when its oldest pending step has waited more
@@ -281,9 +306,13 @@ class RemoteExecutor(Executor):
             now = time.monotonic()
             for conn in list(self._conns):
                 if conn.pending and now - conn.waiting_since > timeout:
-                    self._fail(WorkerUnavailableError(
-                        f"worker {conn.address} did not answer a step within "
-                        f"--worker-step-timeout={timeout:g} s (hung or overloaded)"), conn)
+                    self._fail(
+                        WorkerUnavailableError(
+                            f"worker {conn.address} did not answer a step within "
+                            f"--worker-step-timeout={timeout:g} s (hung or overloaded)"
+                        ),
+                        conn,
+                    )
 
     def _fail(self, exc: WorkerUnavailableError, conn: _Connection) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ only the group down: the engine sees the failed step, fails its in-flight
 requests with the reason (the server: NOT_SERVING) and stays up; its
 reconnection (``reinitialize``) starts a fresh group.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,14 @@ _READY = "tokenbudget worker listening on "
 class LocalRanks:
     """The N rank processes of one group on this host."""
 
-    def __init__(self, world_size: int, *, threads: int = 1, dist_timeout_s: float = 300.0,
-                 start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        threads: int = 1,
+        dist_timeout_s: float = 300.0,
+        start_timeout_s: float = 300.0,
+    ) -> None:
         if world_size < 2:
             raise ValueError(f"tensor_parallel_size must be >= 2 for a group, got {world_size}")
         init = f"tcp://127.0.0.1:{_free_port()}"
@@ -36,13 +43,35 @@ class LocalRanks:
         for rank in range(world_size):
             # --parent-pid: rank 0 stops when this process is gone (the others follow
             # it), so no rank outlives the engine that started it.
-            argv = [sys.executable, "-m", "tokenbudget.worker", "--rank", str(rank),
-                    "--world-size", str(world_size), "--dist-init", init, "--host", "127.0.0.1",
-                    "--port", "0", "--threads", str(threads), "--dist-timeout",
-                    str(dist_timeout_s), "--parent-pid", str(os.getpid())]
-            self.procs.append(subprocess.Popen(
-                argv, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                text=True))
+            argv = [
+                sys.executable,
+                "-m",
+                "tokenbudget.worker",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--dist-init",
+                init,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--threads",
+                str(threads),
+                "--dist-timeout",
+                str(dist_timeout_s),
+                "--parent-pid",
+                str(os.getpid()),
+            ]
+            self.procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                    text=True,
+                )
+            )
         self.address = self._wait_ready(start_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> str:
@@ -61,16 +90,18 @@ class LocalRanks:
                 self.stop()
                 raise WorkerUnavailableError(
                     f"tensor-parallel rank {dead[0]} exited during start-up (status "
-                    f"{self.procs[dead[0]].returncode}); see its log above")
+                    f"{self.procs[dead[0]].returncode}); see its log above"
+                )
             try:
                 line = lines.get(timeout=0.2)
             except queue.Empty:
                 continue
             if line is not None and line.startswith(_READY):
-                return line[len(_READY):].strip()
+                return line[len(_READY) :].strip()
         self.stop()
-        raise WorkerUnavailableError(f"the tensor-parallel ranks did not start within "
-                                     f"{timeout_s:g} s")
+        raise WorkerUnavailableError(
+            f"the tensor-parallel ranks did not start within {timeout_s:g} s"
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to rank 0, which tells the others to stop; whatever is still
@@ -91,9 +122,18 @@ class TensorParallelExecutor(RemoteExecutor):
 
     connect_timeout_flag = ""  # ranks this process starts: no flag sets the wait
 
-    def __init__(self, model: str, tensor_parallel_size: int, *, dtype: str = "auto",
-                 device: str = "", attention_backend: str = "auto", threads: int | None = None,
-                 dist_timeout_s: float = 300.0, step_timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        tensor_parallel_size: int,
+        *,
+        dtype: str = "auto",
+        device: str = "",
+        attention_backend: str = "auto",
+        threads: int | None = None,
+        dist_timeout_s: float = 300.0,
+        step_timeout: float = 0.0,
+    ) -> None:
         """``threads``: torch threads per rank (default: this process's share
         of torch's, so the ranks do not oversubscribe the cores);
         ``step_timeout``: as RemoteExecutor's (0: rely on ``dist_timeout_s``)."""
@@ -109,11 +149,18 @@ class TensorParallelExecutor(RemoteExecutor):
             import torch
 
             threads = max(1, torch.get_num_threads() // tensor_parallel_size)
-        self._start = lambda: LocalRanks(tensor_parallel_size, threads=threads,
-                                         dist_timeout_s=dist_timeout_s)
+        self._start = lambda: LocalRanks(
+            tensor_parallel_size, threads=threads, dist_timeout_s=dist_timeout_s
+        )
         self.ranks = self._start()
-        super().__init__([self.ranks.address], model, dtype=dtype, device=device,
-                         attention_backend=attention_backend, step_timeout=step_timeout)
+        super().__init__(
+            [self.ranks.address],
+            model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            step_timeout=step_timeout,
+        )
 
     def initialize(self, cache_config, scheduler_config) -> KVCacheSpec:
         try:
@@ -141,4 +188,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-

@@ -17,6 +17,7 @@ the tokens computed this step and those already in its KV cache.
 ``fit`` finds the constants from measured steps (least squares on relative
 error, non-negative).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -41,8 +42,9 @@ class StepTerms:
 
 
 class CostModel:
-    def __init__(self, model: ModelProfile, hardware: HardwareProfile,
-                 constants: CostConstants) -> None:
+    def __init__(
+        self, model: ModelProfile, hardware: HardwareProfile, constants: CostConstants
+    ) -> None:
         self.model = model
         self.hardware = hardware
         self.constants = constants
@@ -67,23 +69,32 @@ class CostModel:
             context += c + n
         return self.terms_from_sums(tokens, requests, pairs, context, prefills)
 
-    def terms_from_sums(self, tokens: int, requests: int, pairs: int, context: int,
-                        prefills: int = 0) -> StepTerms:
+    def terms_from_sums(
+        self, tokens: int, requests: int, pairs: int, context: int, prefills: int = 0
+    ) -> StepTerms:
         """``pairs``: sum over requests of n*c + n(n+1)/2; ``context``: sum of
         c + n; ``prefills``: requests with n > 1."""
-        flops = self._flops_per_token * tokens + self._flops_per_row * requests + \
-            self._flops_per_pair * pairs
-        return StepTerms(flops, self._weight_bytes + self._kv_bytes * context, requests, tokens,
-                         prefills)
+        flops = (
+            self._flops_per_token * tokens
+            + self._flops_per_row * requests
+            + self._flops_per_pair * pairs
+        )
+        return StepTerms(
+            flops, self._weight_bytes + self._kv_bytes * context, requests, tokens, prefills
+        )
 
     def step_time(self, shape: Iterable[tuple[int, int]]) -> float:
         return self.time_of(self.terms(shape))
 
     def time_of(self, t: StepTerms) -> float:
         c = self.constants
-        return max(t.flops * self._s_per_flop, t.bytes * self._s_per_byte) + \
-            c.step_overhead_s + c.per_request_s * t.num_requests + \
-            c.per_prefill_s * t.num_prefills + c.per_token_s * t.num_tokens
+        return (
+            max(t.flops * self._s_per_flop, t.bytes * self._s_per_byte)
+            + c.step_overhead_s
+            + c.per_request_s * t.num_requests
+            + c.per_prefill_s * t.num_prefills
+            + c.per_token_s * t.num_tokens
+        )
 
 
 @dataclass(slots=True)
@@ -100,12 +111,16 @@ class FitReport:
         return max((e for _, _, e in self.groups.values()), default=0.0)
 
     def to_dict(self) -> dict:
-        return {"constants": self.constants.to_dict(),
-                "mean_abs_rel_error": self.mean_abs_rel_error,
-                "max_abs_rel_error": self.max_abs_rel_error,
-                "max_group_error": self.max_group_error,
-                "groups": {k: {"measured_s": m, "predicted_s": p, "rel_error": e}
-                           for k, (m, p, e) in self.groups.items()}}
+        return {
+            "constants": self.constants.to_dict(),
+            "mean_abs_rel_error": self.mean_abs_rel_error,
+            "max_abs_rel_error": self.max_abs_rel_error,
+            "max_group_error": self.max_group_error,
+            "groups": {
+                k: {"measured_s": m, "predicted_s": p, "rel_error": e}
+                for k, (m, p, e) in self.groups.items()
+            },
+        }
 
 
 def _nnls(a, b):
@@ -120,8 +135,12 @@ def _nnls(a, b):
 _MAX_THRESHOLDS = 64
 
 
-def fit(model: ModelProfile, hardware: HardwareProfile,
-        steps: Sequence[tuple[Shape, float]], groups: Sequence[str] | None = None) -> FitReport:
+def fit(
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    steps: Sequence[tuple[Shape, float]],
+    groups: Sequence[str] | None = None,
+) -> FitReport:
     """Fit CostConstants to measured ``(shape, seconds)`` steps.
 
     The max() makes the model piecewise linear: a step is compute bound when
@@ -147,8 +166,11 @@ def fit(model: ModelProfile, hardware: HardwareProfile,
     constants = CostConstants(
         compute_efficiency=1.0 / inv_c if inv_c > 0 else float("inf"),
         memory_efficiency=1.0 / inv_m if inv_m > 0 else float("inf"),
-        step_overhead_s=float(x[2]), per_request_s=float(x[3]), per_token_s=float(x[4]),
-        per_prefill_s=float(x[5]))
+        step_overhead_s=float(x[2]),
+        per_request_s=float(x[3]),
+        per_token_s=float(x[4]),
+        per_prefill_s=float(x[5]),
+    )
     fitted = CostModel(model, hardware, constants)
     pred = np.array([fitted.time_of(t) for t in terms])
     rel = np.abs(pred - y) / y
@@ -186,8 +208,14 @@ def _best_threshold_fit(flops, nbytes, rest, y, w):
     best, x = float("inf"), np.zeros(2 + rest.shape[1])
     for cut in [*cuts, np.inf]:
         compute_bound = ratio >= cut
-        a = np.concatenate([np.where(compute_bound, flops, 0.0)[:, None],
-                            np.where(compute_bound, 0.0, nbytes)[:, None], rest], axis=1)
+        a = np.concatenate(
+            [
+                np.where(compute_bound, flops, 0.0)[:, None],
+                np.where(compute_bound, 0.0, nbytes)[:, None],
+                rest,
+            ],
+            axis=1,
+        )
         sol = _nnls(a * (w / y)[:, None], w)
         pred = np.maximum(flops * sol[0], nbytes * sol[1]) + rest @ sol[2:]
         err = float(np.sum((w * (pred - y) / y) ** 2))

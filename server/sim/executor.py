@@ -11,6 +11,7 @@ does ("length"). No torch: only core dataclasses.
 Use it with EngineCore's synchronous loop (``async_scheduling=False``):
 simulated time runs one step at a time.
 """
+
 from __future__ import annotations
 
 import sys
@@ -53,8 +54,15 @@ class _ReqState:
 
 
 class SimulatedExecutor(Executor):
-    def __init__(self, cost_model: CostModel, clock: SimClock, *, vocab_size: int,
-                 eos_token_id: int | None = None, gpu_memory_utilization: float = 0.9) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        clock: SimClock,
+        *,
+        vocab_size: int,
+        eos_token_id: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+    ) -> None:
         self.cost_model = cost_model
         self.clock = clock
         self.vocab_size = vocab_size
@@ -67,15 +75,18 @@ class SimulatedExecutor(Executor):
         self.num_steps = 0
         self.busy_s = 0.0
 
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
         # A host tier only as asked for in blocks (no host memory is modelled).
         host = cache_config.num_offload_blocks or 0
         if cache_config.num_blocks is not None:
             return KVCacheSpec(cache_config.num_blocks, host)
         model = self.cost_model.model
-        free = self.cost_model.hardware.memory_bytes * self.gpu_memory_utilization - \
-            model.num_params * model.dtype_bytes
+        free = (
+            self.cost_model.hardware.memory_bytes * self.gpu_memory_utilization
+            - model.num_params * model.dtype_bytes
+        )
         blocks = int(free // (model.kv_bytes_per_token * cache_config.block_size))
         if blocks < 2:
             raise ValueError(f"{model.name} does not fit on {self.cost_model.hardware.name}")
@@ -95,8 +106,9 @@ class SimulatedExecutor(Executor):
         for nrd in so.scheduled_new_reqs:
             seed, target = self.plans.pop(nrd.req_id, (0, None))
             no_eos = target is None or eos is None or nrd.sampling_params.ignore_eos
-            reqs[nrd.req_id] = _ReqState(len(nrd.prompt_token_ids), seed,
-                                         sys.maxsize if no_eos else target)
+            reqs[nrd.req_id] = _ReqState(
+                len(nrd.prompt_token_ids), seed, sys.maxsize if no_eos else target
+            )
             starts[nrd.req_id] = nrd.num_computed_tokens
         for rid, resumed in cached.resumed_token_ids.items():
             reqs[rid].num_tokens = len(resumed)
@@ -126,13 +138,15 @@ class SimulatedExecutor(Executor):
                 append([token + 1 if token == eos else token])
         if req_ids:  # a step that only tells the worker what finished costs nothing
             dt = self.cost_model.time_of(
-                self.cost_model.terms_from_sums(tokens, len(req_ids), pairs, context, prefills))
+                self.cost_model.terms_from_sums(tokens, len(req_ids), pairs, context, prefills)
+            )
             self.clock.now += dt
             self.busy_s += dt
             self.num_steps += 1
         future: Future[ModelRunnerOutput] = Future()
-        future.set_result(ModelRunnerOutput(req_ids, dict(zip(req_ids, range(len(req_ids)))),
-                                            sampled))
+        future.set_result(
+            ModelRunnerOutput(req_ids, dict(zip(req_ids, range(len(req_ids)))), sampled)
+        )
         return future
 
     def shutdown(self) -> None:

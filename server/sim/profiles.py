@@ -5,6 +5,7 @@ HBM bandwidth, memory size), not measurements. Model shapes are the published
 configs (config.json) of the Qwen3 checkpoints. ``ModelProfile.from_hf_config``
 builds a profile for any decoder from its config, so users can add their own.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -14,9 +15,9 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class HardwareProfile:
     name: str
-    peak_flops: float        # dense bf16 FLOP/s
+    peak_flops: float  # dense bf16 FLOP/s
     memory_bandwidth: float  # bytes/s
-    memory_bytes: float      # device memory
+    memory_bytes: float  # device memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,19 +34,24 @@ class ModelProfile:
     dtype_bytes: int = 2
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str | None = None,
-                       dtype_bytes: int = 2) -> ModelProfile:
+    def from_hf_config(
+        cls, config: dict[str, Any], name: str | None = None, dtype_bytes: int = 2
+    ) -> ModelProfile:
         """From a Hugging Face decoder config (a dict of config.json)."""
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
-        return cls(name=name or config.get("_name_or_path") or config.get("model_type", "model"),
-                   num_layers=config["num_hidden_layers"], hidden_size=hidden,
-                   num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
-                   head_dim=config.get("head_dim") or hidden // heads,
-                   intermediate_size=config["intermediate_size"],
-                   vocab_size=config["vocab_size"],
-                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   dtype_bytes=dtype_bytes)
+        return cls(
+            name=name or config.get("_name_or_path") or config.get("model_type", "model"),
+            num_layers=config["num_hidden_layers"],
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or hidden // heads,
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            dtype_bytes=dtype_bytes,
+        )
 
     @property
     def layer_params(self) -> int:
@@ -100,8 +106,9 @@ class CostConstants:
 # CPU recording (tests/simulator/data), which a GPU step pays as well; the
 # CPU's per-request term is its attention loop, which a GPU kernel does not
 # pay, so it is left out.
-GPU_DEFAULT_CONSTANTS = CostConstants(compute_efficiency=0.6, memory_efficiency=0.8,
-                                      step_overhead_s=0.0016)
+GPU_DEFAULT_CONSTANTS = CostConstants(
+    compute_efficiency=0.6, memory_efficiency=0.8, step_overhead_s=0.0016
+)
 
 HARDWARE: dict[str, HardwareProfile] = {
     # NVIDIA datasheet figures: H100 SXM 80 GB, H200 SXM 141 GB, A100 SXM 80 GB.
@@ -112,15 +119,37 @@ HARDWARE: dict[str, HardwareProfile] = {
 
 # The published shapes of the Qwen3 checkpoints (their config.json).
 MODELS: dict[str, ModelProfile] = {
-    "qwen3-0.6b": ModelProfile("qwen3-0.6b", num_layers=28, hidden_size=1024, num_heads=16,
-                               num_kv_heads=8, head_dim=128, intermediate_size=3072,
-                               vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": ModelProfile("qwen3-8b", num_layers=36, hidden_size=4096, num_heads=32,
-                             num_kv_heads=8, head_dim=128, intermediate_size=12288,
-                             vocab_size=151936),
-    "qwen3-32b": ModelProfile("qwen3-32b", num_layers=64, hidden_size=5120, num_heads=64,
-                              num_kv_heads=8, head_dim=128, intermediate_size=25600,
-                              vocab_size=151936),
+    "qwen3-0.6b": ModelProfile(
+        "qwen3-0.6b",
+        num_layers=28,
+        hidden_size=1024,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": ModelProfile(
+        "qwen3-8b",
+        num_layers=36,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+    ),
+    "qwen3-32b": ModelProfile(
+        "qwen3-32b",
+        num_layers=64,
+        hidden_size=5120,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=25600,
+        vocab_size=151936,
+    ),
 }
 
 

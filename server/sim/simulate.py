@@ -7,6 +7,7 @@ earliest runs one step (schedule, predicted step time, update). A request
 that arrives while a replica is mid-step is seen by that replica's next
 schedule, as in a real server. Deterministic for a seed.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,9 @@ class PromptBuilder:
     flight hold token lists). Shared prefixes, session histories and replayed
     block hashes map to the same tokens every time they occur."""
 
-    def __init__(self, seed: int, vocab_size: int, eos: int, block_size: int,
-                 trace: Sequence[TraceRequest]) -> None:
+    def __init__(
+        self, seed: int, vocab_size: int, eos: int, block_size: int, trace: Sequence[TraceRequest]
+    ) -> None:
         import numpy as np
 
         self._np = np
@@ -61,7 +63,7 @@ class PromptBuilder:
             self._pool = self.rng.integers(0, self.eos, max(n, 1 << 16)).tolist()
             self._at = 0
         self._at += n
-        return self._pool[self._at - n:self._at]
+        return self._pool[self._at - n : self._at]
 
     def _prefix(self, prefix_id: int, n: int) -> list[int]:
         p = self.prefixes.get(prefix_id)
@@ -80,13 +82,13 @@ class PromptBuilder:
 
     def build(self, r: TraceRequest, seed: int) -> list[int]:
         if r.block_hashes:
-            prompt = [t for h in r.block_hashes for t in self._block(h)][:r.prompt_len]
+            prompt = [t for h in r.block_hashes for t in self._block(h)][: r.prompt_len]
             return prompt + self._random(r.prompt_len - len(prompt))
         if r.session >= 0:
             history = self.sessions.get(r.session)
             if history is None:
                 history = self._prefix(r.prefix_id, r.prefix_len) if r.prefix_id >= 0 else []
-            history = history[:r.prompt_len]
+            history = history[: r.prompt_len]
             prompt = history + self._random(r.prompt_len - len(history))
             left = self.turns_left[r.session] - 1
             if left:
@@ -98,18 +100,27 @@ class PromptBuilder:
                 self.sessions.pop(r.session, None)
             return prompt
         if r.prefix_id >= 0 and r.prefix_len:
-            return self._prefix(r.prefix_id, min(r.prefix_len, r.prompt_len)) + \
-                self._random(r.prompt_len - r.prefix_len)
+            return self._prefix(r.prefix_id, min(r.prefix_len, r.prompt_len)) + self._random(
+                r.prompt_len - r.prefix_len
+            )
         return self._random(r.prompt_len)
 
 
 class Replica:
-    def __init__(self, index: int, cost_model: CostModel, scheduler: dict[str, Any],
-                 cache: dict[str, Any], vocab: int, eos: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        cost_model: CostModel,
+        scheduler: dict[str, Any],
+        cache: dict[str, Any],
+        vocab: int,
+        eos: int,
+    ) -> None:
         self.index = index
         self.clock = SimClock()
-        self.executor = SimulatedExecutor(cost_model, self.clock, vocab_size=vocab,
-                                          eos_token_id=eos)
+        self.executor = SimulatedExecutor(
+            cost_model, self.clock, vocab_size=vocab, eos_token_id=eos
+        )
         self.engine = EngineCore(SchedulerConfig(**scheduler), CacheConfig(**cache), self.executor)
         self.scheduler = self.engine.scheduler
         self.scheduler.clock = self.clock
@@ -173,17 +184,25 @@ class SimResult:
         return {"summary": self.summary, "kv_usage": self.kv_usage}
 
 
-def simulate(trace: Sequence[TraceRequest], *, model: ModelProfile, hardware: HardwareProfile,
-             constants: CostConstants, scheduler: dict[str, Any] | None = None,
-             cache: dict[str, Any] | None = None, num_replicas: int = 1,
-             router: str = "round-robin", seed: int = 0, ttft_ms: float | None = None,
-             tpot_ms: float | None = None, kv_samples: int = 200) -> SimResult:
+def simulate(
+    trace: Sequence[TraceRequest],
+    *,
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    constants: CostConstants,
+    scheduler: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
+    num_replicas: int = 1,
+    router: str = "round-robin",
+    seed: int = 0,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+    kv_samples: int = 200,
+) -> SimResult:
     """Simulate ``trace`` (in arrival order). ``scheduler`` and ``cache`` are
     SchedulerConfig / CacheConfig fields; ``async_scheduling`` is forced off
     (simulated time runs a step at a time). ``ttft_ms`` / ``tpot_ms`` are the
     goodput SLO for requests that carry none of their own."""
-    import numpy as np
-
     scheduler = dict(scheduler or {}, async_scheduling=False)
     cache = dict(cache or {})
     block_size = cache.get("block_size", 16)
@@ -214,33 +233,58 @@ def simulate(trace: Sequence[TraceRequest], *, model: ModelProfile, hardware: Ha
             i += 1
             continue
         rep = busy[0] if len(busy) == 1 else min(busy, key=lambda r: (r.clock.now, r.index))
-        before = rep.clock.now
-        outputs = rep.engine.step()
-        now = rep.clock.now
-        tally.record(outputs, now)
-        if now >= next_sample[rep.index]:
-            rep.kv_usage.append((now, rep.scheduler.kv_cache_manager.usage()))
-            next_sample[rep.index] = now + kv_every
-        if not rep.engine.has_unfinished_requests():
+        next_arrival = trace[i].arrival_s if i < n else None
+        if not _step(rep, tally, next_sample, kv_every, next_arrival):
             busy.remove(rep)
-        elif now == before and not outputs:
-            # Nothing could run (should not happen with a sane config): let
-            # time pass to the next arrival rather than spin.
-            rep.clock.now = trace[i].arrival_s if i < n else now + 1e-3
     wall = time.perf_counter() - wall0
-    return _summarize(trace, replicas, np.array(tally.first, dtype=float),
-                      np.array(tally.finish, dtype=float), np.array(tally.n_out, dtype=np.int64),
-                      np.array(tally.refused, dtype=bool), wall, ttft_ms, tpot_ms)
+    return _summarize(trace, replicas, *tally.arrays(), wall, ttft_ms, tpot_ms)
 
 
-def _admit(tr: TraceRequest, i: int, prompts: PromptBuilder, route: Router,
-           replicas: list[Replica], eos: int) -> Replica:
+def _step(
+    rep: Replica,
+    tally: _Tally,
+    next_sample: list[float],
+    kv_every: float,
+    next_arrival: float | None,
+) -> bool:
+    """Run one step of ``rep``, record its outputs and sample its KV usage.
+    False when ``rep`` has no unfinished request left."""
+    before = rep.clock.now
+    outputs = rep.engine.step()
+    now = rep.clock.now
+    tally.record(outputs, now)
+    if now >= next_sample[rep.index]:
+        rep.kv_usage.append((now, rep.scheduler.kv_cache_manager.usage()))
+        next_sample[rep.index] = now + kv_every
+    if not rep.engine.has_unfinished_requests():
+        return False
+    if now == before and not outputs:
+        # Nothing could run (should not happen with a sane config): let
+        # time pass to the next arrival rather than spin.
+        rep.clock.now = next_arrival if next_arrival is not None else now + 1e-3
+    return True
+
+
+def _admit(
+    tr: TraceRequest,
+    i: int,
+    prompts: PromptBuilder,
+    route: Router,
+    replicas: list[Replica],
+    eos: int,
+) -> Replica:
     """Route trace request ``i`` to a replica and add it there."""
     rid = f"r{i}"
-    req = Request(rid, prompts.build(tr, i),
-                  SamplingParams(max_tokens=max(tr.output_len, 1)), eos_token_id=eos,
-                  arrival_time=tr.arrival_s, tenant=tr.tenant, ttft_ms=tr.ttft_ms,
-                  tpot_ms=tr.tpot_ms)
+    req = Request(
+        rid,
+        prompts.build(tr, i),
+        SamplingParams(max_tokens=max(tr.output_len, 1)),
+        eos_token_id=eos,
+        arrival_time=tr.arrival_s,
+        tenant=tr.tenant,
+        ttft_ms=tr.ttft_ms,
+        tpot_ms=tr.tpot_ms,
+    )
     rep = route.pick(replicas, req)
     rep.num_routed += 1
     if not rep.engine.has_unfinished_requests():
@@ -278,6 +322,17 @@ class _Tally:
                 if o.finish_reason == "abort":
                     self.refused[k] = True
 
+    def arrays(self) -> tuple:
+        """first, finish, n_out and refused as numpy arrays."""
+        import numpy as np
+
+        return (
+            np.array(self.first, dtype=float),
+            np.array(self.finish, dtype=float),
+            np.array(self.n_out, dtype=np.int64),
+            np.array(self.refused, dtype=bool),
+        )
+
 
 def _pct(values, qs=(50, 90, 99)) -> dict[str, float]:
     import numpy as np
@@ -300,16 +355,20 @@ def _summarize(trace, replicas, first, finish, n_out, refused, wall, ttft_ms, tp
     multi = done & (n_out > 1)
     tpot = np.full(n, np.nan)
     tpot[multi] = (finish[multi] - first[multi]) / (n_out[multi] - 1)
-    t_slo = np.array([(r.ttft_ms if r.ttft_ms is not None else ttft_ms or np.inf) / 1000.0
-                      for r in trace])
-    p_slo = np.array([(r.tpot_ms if r.tpot_ms is not None else tpot_ms or np.inf) / 1000.0
-                      for r in trace])
+    t_slo = np.array(
+        [(r.ttft_ms if r.ttft_ms is not None else ttft_ms or np.inf) / 1000.0 for r in trace]
+    )
+    p_slo = np.array(
+        [(r.tpot_ms if r.tpot_ms is not None else tpot_ms or np.inf) / 1000.0 for r in trace]
+    )
     met = done & (ttft <= t_slo) & ((n_out <= 1) | (tpot <= p_slo))
     end = float(np.nanmax(finish)) if n else 0.0
     duration = max(end - (arrival.min() if n else 0.0), 1e-9)
     stats = [r.scheduler.make_stats() for r in replicas]
     summary: dict[str, Any] = {
-        "num_requests": n, "finished": int(done.sum()), "refused": int(refused.sum()),
+        "num_requests": n,
+        "finished": int(done.sum()),
+        "refused": int(refused.sum()),
         "duration_s": duration,
         "throughput_req_s": float(done.sum()) / duration,
         "output_tokens_s": float(n_out[done].sum()) / duration,
@@ -320,8 +379,10 @@ def _summarize(trace, replicas, first, finish, n_out, refused, wall, ttft_ms, tp
         "goodput_req_s": float(met.sum()) / duration,
         "slo_attainment": float(met.mean()) if n else 0.0,
         "preemptions": sum(s.num_preemptions for s in stats),
-        "prefix_hit_rate": (sum(s.prefix_cache_hits for s in stats)
-                            / max(sum(s.prefix_cache_queries for s in stats), 1)),
+        "prefix_hit_rate": (
+            sum(s.prefix_cache_hits for s in stats)
+            / max(sum(s.prefix_cache_queries for s in stats), 1)
+        ),
         "kv_usage_peak": max((u for r in replicas for _, u in r.kv_usage), default=0.0),
         "replica_busy_fraction": [r.executor.busy_s / duration for r in replicas],
         "requests_per_replica": [r.num_routed for r in replicas],
@@ -335,11 +396,11 @@ def _summarize(trace, replicas, first, finish, n_out, refused, wall, ttft_ms, tp
         labels = np.array([str(t) for t in tenants])
         for t in sorted(set(labels)):
             sel = (labels == t) & done
-            per[t] = {"finished": int(sel.sum()),
-                      "ttft_ms": {k: v * 1000 for k, v in _pct(ttft[sel]).items()},
-                      "tpot_ms": {k: v * 1000 for k, v in _pct(tpot[sel & multi]).items()},
-                      "goodput_req_s": float((met & (labels == t)).sum()) / duration}
+            per[t] = {
+                "finished": int(sel.sum()),
+                "ttft_ms": {k: v * 1000 for k, v in _pct(ttft[sel]).items()},
+                "tpot_ms": {k: v * 1000 for k, v in _pct(tpot[sel & multi]).items()},
+                "goodput_req_s": float((met & (labels == t)).sum()) / duration,
+            }
         summary["tenants"] = per
-    return SimResult(summary, [r.kv_usage for r in replicas],
-                     [float(x) for x in ttft], tenants)
-
+    return SimResult(summary, [r.kv_usage for r in replicas], [float(x) for x in ttft], tenants)

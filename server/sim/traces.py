@@ -13,6 +13,7 @@ which prefixes it shares. No text, and nothing downloaded.
 A recorded trace (server/engine/trace.py: ``TraceRecorder``, ``load_trace``)
 replays as these do.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,10 @@ from dataclasses import replace
 
 from tokenbudget.server.engine.trace import TraceRequest
 
-def poisson_arrivals(n: int, rate: float, *, burstiness: float = 1.0, seed: int = 0,
-                     start: float = 0.0) -> list[float]:
+
+def poisson_arrivals(
+    n: int, rate: float, *, burstiness: float = 1.0, seed: int = 0, start: float = 0.0
+) -> list[float]:
     """``n`` arrival times at ``rate`` per second; gaps are gamma distributed
     with shape ``burstiness`` (1: exponential, i.e. Poisson)."""
     if rate <= 0 or burstiness <= 0:
@@ -42,12 +45,23 @@ def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) 
     return max(lo, min(hi, int(rng.lognormvariate(mu, sigma))))
 
 
-def sharegpt_like(n: int, rate: float, *, seed: int = 0, burstiness: float = 1.0,
-                  prompt_mean: float = 300, output_mean: float = 250, sigma: float = 1.0,
-                  max_prompt: int = 4096, max_output: int = 2048,
-                  num_system_prompts: int = 0, system_prompt_len: int = 0,
-                  tenant: str | None = None, ttft_ms: float | None = None,
-                  tpot_ms: float | None = None) -> list[TraceRequest]:
+def sharegpt_like(
+    n: int,
+    rate: float,
+    *,
+    seed: int = 0,
+    burstiness: float = 1.0,
+    prompt_mean: float = 300,
+    output_mean: float = 250,
+    sigma: float = 1.0,
+    max_prompt: int = 4096,
+    max_output: int = 2048,
+    num_system_prompts: int = 0,
+    system_prompt_len: int = 0,
+    tenant: str | None = None,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+) -> list[TraceRequest]:
     """Chat-like single-turn requests; optionally each starts with one of
     ``num_system_prompts`` shared prefixes of ``system_prompt_len`` tokens."""
     rng = random.Random(seed + 1)
@@ -56,18 +70,37 @@ def sharegpt_like(n: int, rate: float, *, seed: int = 0, burstiness: float = 1.0
         prompt = _lognormal(rng, prompt_mean, sigma, 4, max_prompt)
         prefix = rng.randrange(num_system_prompts) if num_system_prompts else -1
         plen = system_prompt_len if num_system_prompts else 0
-        out.append(TraceRequest(t, prompt + plen, _lognormal(rng, output_mean, sigma, 1, max_output),
-                                prefix_id=prefix, prefix_len=plen, tenant=tenant,
-                                ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+        out.append(
+            TraceRequest(
+                t,
+                prompt + plen,
+                _lognormal(rng, output_mean, sigma, 1, max_output),
+                prefix_id=prefix,
+                prefix_len=plen,
+                tenant=tenant,
+                ttft_ms=ttft_ms,
+                tpot_ms=tpot_ms,
+            )
+        )
     return out
 
 
-def multi_turn_chat(num_sessions: int, session_rate: float, *, seed: int = 0,
-                    mean_turns: float = 4, think_s: float = 10.0, system_prompt_len: int = 512,
-                    num_system_prompts: int = 4, user_mean: float = 120,
-                    output_mean: float = 200, max_context: int = 8000,
-                    tenant: str | None = None, ttft_ms: float | None = None,
-                    tpot_ms: float | None = None) -> list[TraceRequest]:
+def multi_turn_chat(
+    num_sessions: int,
+    session_rate: float,
+    *,
+    seed: int = 0,
+    mean_turns: float = 4,
+    think_s: float = 10.0,
+    system_prompt_len: int = 512,
+    num_system_prompts: int = 4,
+    user_mean: float = 120,
+    output_mean: float = 200,
+    max_context: int = 8000,
+    tenant: str | None = None,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+) -> list[TraceRequest]:
     """Sessions start as a Poisson process; each has a geometric number of
     turns, a think time (exponential) between them, and resends its history."""
     rng = random.Random(seed + 2)
@@ -82,9 +115,19 @@ def multi_turn_chat(num_sessions: int, session_rate: float, *, seed: int = 0,
             output = _lognormal(rng, output_mean, 0.8, 1, 1024)
             if history + user + output > max_context:
                 break
-            out.append(TraceRequest(t, history + user, output, prefix_id=system,
-                                    prefix_len=system_prompt_len, session=s, tenant=tenant,
-                                    ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+            out.append(
+                TraceRequest(
+                    t,
+                    history + user,
+                    output,
+                    prefix_id=system,
+                    prefix_len=system_prompt_len,
+                    session=s,
+                    tenant=tenant,
+                    ttft_ms=ttft_ms,
+                    tpot_ms=tpot_ms,
+                )
+            )
             history += user + output
             t += rng.expovariate(1.0 / think_s) + 0.05 * output  # reading and thinking
     out.sort(key=lambda r: r.arrival_s)
@@ -98,6 +141,7 @@ def merge(*traces: Iterable[TraceRequest]) -> list[TraceRequest]:
     return out
 
 
-def with_slo(trace: Iterable[TraceRequest], ttft_ms: float | None,
-             tpot_ms: float | None) -> list[TraceRequest]:
+def with_slo(
+    trace: Iterable[TraceRequest], ttft_ms: float | None, tpot_ms: float | None
+) -> list[TraceRequest]:
     return [replace(r, ttft_ms=ttft_ms, tpot_ms=tpot_ms) for r in trace]

@@ -6,6 +6,7 @@ decoder (Qwen3, or GPT-2, Llama, Mistral, ... with that tokenizer) is
 random-initialised from a fixed seed and saved with ``save_pretrained`` so it
 is loaded through the real loading code.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ import os
 from pathlib import Path
 
 QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 )
 
 # Qwen-style ChatML. A content may be a string or a list of parts; an image part
@@ -67,8 +73,28 @@ def _training_lines() -> list[str]:
     import random
 
     rng = random.Random(0)
-    syllables = ["ka", "to", "ri", "en", "mo", "sha", "lu", "pe", "qui", "dro", "an", "ist",
-                 "ver", "ble", "tion", "ing", "ou", "ze", "ph", "gra"]
+    syllables = [
+        "ka",
+        "to",
+        "ri",
+        "en",
+        "mo",
+        "sha",
+        "lu",
+        "pe",
+        "qui",
+        "dro",
+        "an",
+        "ist",
+        "ver",
+        "ble",
+        "tion",
+        "ing",
+        "ou",
+        "ze",
+        "ph",
+        "gra",
+    ]
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(600)]
     lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)]
     return _CORPUS.splitlines() * 4 + lines
@@ -83,12 +109,18 @@ def build_tokenizer(path: str | os.PathLike, *, vocab_size: int = 1200):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(QWEN_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(_training_lines(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     Path(path).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))
@@ -103,32 +135,99 @@ def padded_vocab_size(num_tokens: int, multiple: int = 64) -> int:
 # names: GPT-2's old ones, a Mistral sliding window as wide as its context
 # (exactly full attention), Gemma's single KV head, Phi's partial rotary.
 _TINY_DECODERS = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, max_position_embeddings=4096)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=4096)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
-        n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=1024)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=4096)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, max_position_embeddings=4096, sliding_window=4096)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        partial_rotary_factor=0.5, max_position_embeddings=4096)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=16, intermediate_size=128, max_position_embeddings=4096)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=1024),
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            max_position_embeddings=4096,
+            sliding_window=4096,
+        ),
+    ),
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            partial_rotary_factor=0.5,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=128,
+            max_position_embeddings=4096,
+        ),
+    ),
 }
 TINY_ARCHITECTURES = tuple(_TINY_DECODERS)
 
 
-def build_tiny_decoder(path: str | os.PathLike, architecture: str, *, seed: int = 0,
-                       generation_config: dict | None = None, **overrides) -> str:
+def build_tiny_decoder(
+    path: str | os.PathLike,
+    architecture: str,
+    *,
+    seed: int = 0,
+    generation_config: dict | None = None,
+    **overrides,
+) -> str:
     """Save a random-init tiny decoder of ``architecture`` (one of
     TINY_ARCHITECTURES; float32) and the shared tokenizer into ``path``.
     ``generation_config`` adds fields to its generation_config.json (sampling
@@ -140,22 +239,27 @@ def build_tiny_decoder(path: str | os.PathLike, architecture: str, *, seed: int 
     tokenizer = build_tokenizer(path)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    settings = dict(settings, vocab_size=padded_vocab_size(len(tokenizer)),
-                    tie_word_embeddings=architecture == "gpt2", eos_token_id=eos_id,
-                    pad_token_id=pad_id, bos_token_id=None)
+    settings = dict(
+        settings,
+        vocab_size=padded_vocab_size(len(tokenizer)),
+        tie_word_embeddings=architecture == "gpt2",
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
     settings.update(overrides)
     config = getattr(transformers, config_name)(**settings)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     model.generation_config = transformers.GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=pad_id, bos_token_id=None)
+        eos_token_id=config.eos_token_id, pad_token_id=pad_id, bos_token_id=None
+    )
     model.save_pretrained(str(path))
     if generation_config:
         # Written as given: transformers refuses to save sampling fields
         # without do_sample, yet published checkpoints' files hold them.
         file = Path(path) / "generation_config.json"
-        file.write_text(json.dumps({**json.loads(file.read_text()), **generation_config},
-                                   indent=2))
+        file.write_text(json.dumps({**json.loads(file.read_text()), **generation_config}, indent=2))
     return str(path)
 
 
@@ -169,16 +273,34 @@ def add_sentence_transformers_files(path: str | os.PathLike, mode: str, normaliz
     ``modules.json`` naming a Pooling module (``mode``: "lasttoken", "mean" or
     "cls") and, with ``normalize``, a Normalize module."""
     folder = Path(path)
-    modules = [{"idx": 0, "name": "0", "path": "",
-                "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_cls_token": mode == "cls",
-         "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
-         "pooling_mode_lasttoken": mode == "lasttoken"}))
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 64,
+                "pooling_mode_cls_token": mode == "cls",
+                "pooling_mode_mean_tokens": mode == "mean",
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_lasttoken": mode == "lasttoken",
+            }
+        )
+    )

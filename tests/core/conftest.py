@@ -6,6 +6,7 @@ token for every request whose prefill is complete (plus accepted drafts with
 speculative decoding). Tokens are a deterministic function of the request's
 token history, so a run with preemptions can be compared with one without.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +15,17 @@ from dataclasses import dataclass, field, fields
 
 import pytest
 
-from tokenbudget.core import (CacheConfig, ModelRunnerOutput, MultiModalFeature, Request,
-                              RequestOutput, SamplingParams, Scheduler, SchedulerConfig,
-                              SchedulerOutput)
+from tokenbudget.core import (
+    CacheConfig,
+    ModelRunnerOutput,
+    MultiModalFeature,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 VOCAB = 1000
 EOS = 999  # never produced by history_token, so only scripted tokens stop on EOS
@@ -31,10 +40,18 @@ def history_token(token_ids: list[int], vocab: int = VOCAB - 1) -> int:
     return int.from_bytes(digest, "little") % vocab
 
 
-def _make_request(request_id: str, prompt: list[int] | int = 8, *, max_tokens: int = 16,
-                  eos: int | None = EOS, priority: int = 0, arrival: float | None = None,
-                  mm: list[tuple[str, int, int]] | None = None, salt: str | None = None,
-                  **sampling) -> Request:
+def _make_request(
+    request_id: str,
+    prompt: list[int] | int = 8,
+    *,
+    max_tokens: int = 16,
+    eos: int | None = EOS,
+    priority: int = 0,
+    arrival: float | None = None,
+    mm: list[tuple[str, int, int]] | None = None,
+    salt: str | None = None,
+    **sampling,
+) -> Request:
     """``prompt`` is a token list or a length (tokens derived from the id, so
     two requests with different ids share nothing). ``mm`` items are
     ``(mm_hash, offset, length)``."""
@@ -42,10 +59,16 @@ def _make_request(request_id: str, prompt: list[int] | int = 8, *, max_tokens: i
         base = int(hashlib.blake2b(request_id.encode(), digest_size=4).hexdigest(), 16)
         prompt = [(base + 7 * i) % (VOCAB - 1) for i in range(prompt)]
     features = [MultiModalFeature(h, off, n) for h, off, n in (mm or [])]
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling),
-                   eos_token_id=eos, priority=priority,
-                   arrival_time=arrival if arrival is not None else float(_arrivals.next()),
-                   mm_features=features, cache_salt=salt)
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        eos_token_id=eos,
+        priority=priority,
+        arrival_time=arrival if arrival is not None else float(_arrivals.next()),
+        mm_features=features,
+        cache_salt=salt,
+    )
 
 
 class _Counter:
@@ -101,8 +124,12 @@ class FakeModel:
                 new.append(self._next_token(rid, req.all_token_ids + new))
             sampled.append(new)
             proposals.append(self.drafts(req) if (self.drafts and new) else [])
-        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
-                                 spec_token_ids=proposals if self.drafts else None)
+        return ModelRunnerOutput(
+            req_ids,
+            {r: i for i, r in enumerate(req_ids)},
+            sampled,
+            spec_token_ids=proposals if self.drafts else None,
+        )
 
     def _next_token(self, rid: str, history: list[int]) -> int:
         script = self.script.get(rid)
@@ -111,8 +138,9 @@ class FakeModel:
         return history_token(history)
 
 
-def _step(scheduler: Scheduler, model: FakeModel | None = None
-          ) -> tuple[SchedulerOutput, list[RequestOutput]]:
+def _step(
+    scheduler: Scheduler, model: FakeModel | None = None
+) -> tuple[SchedulerOutput, list[RequestOutput]]:
     so = scheduler.schedule()
     if so.is_empty:  # as EngineCore: outputs made outside a model step still come out
         return so, scheduler.take_side_outputs()
@@ -128,9 +156,12 @@ class Run:
     outputs: list[SchedulerOutput] = field(default_factory=list)
 
 
-def _run_to_completion(scheduler: Scheduler, model: FakeModel | None = None,
-                       max_steps: int = 10_000, check: Callable[[Scheduler], None] | None = None
-                       ) -> Run:
+def _run_to_completion(
+    scheduler: Scheduler,
+    model: FakeModel | None = None,
+    max_steps: int = 10_000,
+    check: Callable[[Scheduler], None] | None = None,
+) -> Run:
     """Step until no request is left; record each request's tokens, finish
     reason and every step's num_scheduled_tokens."""
     model = model or FakeModel()
@@ -148,15 +179,17 @@ def _run_to_completion(scheduler: Scheduler, model: FakeModel | None = None,
             if o.finish_reason is not None:
                 run.finish_reasons[o.request_id] = o.finish_reason
     else:
-        raise AssertionError(f"requests still unfinished after {max_steps} steps: "
-                             f"{list(scheduler.requests.values())}")
+        raise AssertionError(
+            f"requests still unfinished after {max_steps} steps: "
+            f"{list(scheduler.requests.values())}"
+        )
     scheduler.kv_cache_manager.block_pool.check_invariants()
     return run
 
 
 def kv_id(tokens: list[int], position: int) -> int:
     """The identity of the KV at ``position``: the token history up to it."""
-    return hash(tuple(tokens[:position + 1]))
+    return hash(tuple(tokens[: position + 1]))
 
 
 class KVOracle:
@@ -208,8 +241,9 @@ class KVOracle:
             table = self.tables[rid]
             for p in range(starts[rid]):
                 got = self._block(self.device, table[p // bs])[p % bs]
-                assert got == kv_id(tokens, p), \
+                assert got == kv_id(tokens, p), (
                     f"{rid} reads wrong KV at position {p} (block {table[p // bs]})"
+                )
                 self.num_reads += 1
             for p in range(starts[rid], starts[rid] + n):
                 self._block(self.device, table[p // bs])[p % bs] = kv_id(tokens, p)

@@ -1,5 +1,6 @@
 """Requests that could never run are refused up front; a request that waits
 holds nothing."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,11 +15,13 @@ def test_prompt_larger_than_the_whole_kv_cache_is_rejected(make_scheduler, make_
 
 
 def test_waiting_request_that_cannot_get_blocks_pins_no_encoder_entry(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     # "hog" holds most blocks; "img" needs an image that is already cached
     # (freeable) but cannot get its KV blocks, so it must not reference it.
-    sched = make_scheduler(num_blocks=9, block_size=4, encoder_cache_size=16,
-                           encoder_compute_budget=16)
+    sched = make_scheduler(
+        num_blocks=9, block_size=4, encoder_cache_size=16, encoder_compute_budget=16
+    )
     sched.add_request(make_request("first", 12, mm=[("cat", 2, 8)], max_tokens=1))
     while sched.has_unfinished_requests():
         step(sched)

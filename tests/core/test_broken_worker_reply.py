@@ -1,6 +1,7 @@
 """A worker reply without a token for a request that had to sample is a step
 error with a clear message, never a request left unscheduled for ever
 (issue 10, defect 5)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,13 +12,15 @@ from tokenbudget.core.failures import RequestFailure, WorkerReplyError
 
 def _reply(so, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
     ids = list(so.num_scheduled_tokens)
-    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
-                             [sampled.get(r, []) for r in ids])
+    return ModelRunnerOutput(
+        ids, {r: i for i, r in enumerate(ids)}, [sampled.get(r, []) for r in ids]
+    )
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_reply_missing_a_sampled_token_is_a_step_error(make_scheduler, make_request,
-                                                         async_scheduling):
+def test_a_reply_missing_a_sampled_token_is_a_step_error(
+    make_scheduler, make_request, async_scheduling
+):
     s = make_scheduler(async_scheduling=async_scheduling)
     s.add_request(make_request("a", 8))
     s.add_request(make_request("b", 8))
@@ -28,8 +31,9 @@ def test_a_reply_missing_a_sampled_token_is_a_step_error(make_scheduler, make_re
         s.update_from_output(so, _reply(so, {"a": [5]}))
 
 
-def test_a_draft_step_reply_missing_its_token_is_a_step_error(make_scheduler, make_request,
-                                                              step, fake_model):
+def test_a_draft_step_reply_missing_its_token_is_a_step_error(
+    make_scheduler, make_request, step, fake_model
+):
     s = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     s.add_request(make_request("a", 8))
     step(s, fake_model(drafts=lambda r: [1, 2]))

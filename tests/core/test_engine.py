@@ -1,5 +1,6 @@
 """EngineCore: the sync loop and the async (overlapped) loop produce the same
 tokens, through chunked prefill and preemption."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,14 +72,25 @@ class FakeExecutor:
 DEFAULT_SPECS = [(f"r{i}", 5 + 9 * i % 55, 5 + 7 * i % 21) for i in range(10)]
 
 
-def _run_engine(make_request, history_token, *, async_scheduling: bool, threaded: bool,
-                max_steps: int = 2000, specs=DEFAULT_SPECS, recorder=None, **config):
+def _run_engine(
+    make_request,
+    history_token,
+    *,
+    async_scheduling: bool,
+    threaded: bool,
+    max_steps: int = 2000,
+    specs=DEFAULT_SPECS,
+    recorder=None,
+    **config,
+):
     """Run ``specs`` to the end: (tokens, finish reasons, stats, the number of
     steps sent before the previous step's result was applied; None without
     ``recorder``, the conftest's OverlapRecorder)."""
     num_blocks = config.pop("num_blocks", 1000)
-    cache_cfg = CacheConfig(block_size=config.pop("block_size", 4),
-                            enable_prefix_caching=config.pop("enable_prefix_caching", True))
+    cache_cfg = CacheConfig(
+        block_size=config.pop("block_size", 4),
+        enable_prefix_caching=config.pop("enable_prefix_caching", True),
+    )
     sched_cfg = SchedulerConfig(async_scheduling=async_scheduling, **config)
     executor = FakeExecutor(num_blocks, history_token, threaded)
     if recorder is not None:
@@ -88,8 +100,15 @@ def _run_engine(make_request, history_token, *, async_scheduling: bool, threaded
     reasons: dict[str, str] = {}
 
     def add(rid, prompt, max_tokens):
-        engine.add_request(make_request(rid, prompt, max_tokens=max_tokens, eos=EOS,
-                                        stop_token_ids=[11] if rid == "r3" else []))
+        engine.add_request(
+            make_request(
+                rid,
+                prompt,
+                max_tokens=max_tokens,
+                eos=EOS,
+                stop_token_ids=[11] if rid == "r3" else [],
+            )
+        )
 
     half = len(specs) // 2
     for spec in specs[:half]:
@@ -119,13 +138,24 @@ PRESSURE = dict(block_size=4, num_blocks=24, max_num_batched_tokens=16, max_num_
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_async_scheduling_overlaps_steps_and_produces_the_tokens_of_sync_scheduling(
-        make_request, history_token, overlap_recorder, threaded):
+    make_request, history_token, overlap_recorder, threaded
+):
     sync_tokens, sync_reasons, sync_stats, sync_overlaps = _run_engine(
-        make_request, history_token, async_scheduling=False, threaded=False,
-        recorder=overlap_recorder, **PRESSURE)
+        make_request,
+        history_token,
+        async_scheduling=False,
+        threaded=False,
+        recorder=overlap_recorder,
+        **PRESSURE,
+    )
     async_tokens, async_reasons, async_stats, async_overlaps = _run_engine(
-        make_request, history_token, async_scheduling=True, threaded=threaded,
-        recorder=overlap_recorder, **PRESSURE)
+        make_request,
+        history_token,
+        async_scheduling=True,
+        threaded=threaded,
+        recorder=overlap_recorder,
+        **PRESSURE,
+    )
 
     # The overlap itself: async sends step N+1 before applying step N's result.
     assert sync_overlaps == 0
@@ -137,17 +167,22 @@ def test_async_scheduling_overlaps_steps_and_produces_the_tokens_of_sync_schedul
     assert len(sync_reasons) == len(DEFAULT_SPECS)
     # The oracle: an unpressured, unchunked sync run.
     free_tokens, free_reasons, free_stats, _ = _run_engine(
-        make_request, history_token, async_scheduling=False, threaded=False)
+        make_request, history_token, async_scheduling=False, threaded=False
+    )
     assert free_stats.num_preemptions == 0
     assert (free_tokens, free_reasons) == (sync_tokens, sync_reasons)
 
 
 def test_async_engine_finishes_when_running_requests_wait_for_their_last_token(
-        make_request, history_token):
+    make_request, history_token
+):
     # With one seat, the waiting request can only start once the running one's
     # last token (in flight) has come back.
-    engine = EngineCore(SchedulerConfig(max_num_seqs=1, async_scheduling=True),
-                        CacheConfig(block_size=4), FakeExecutor(100, history_token, True))
+    engine = EngineCore(
+        SchedulerConfig(max_num_seqs=1, async_scheduling=True),
+        CacheConfig(block_size=4),
+        FakeExecutor(100, history_token, True),
+    )
     engine.add_request(make_request("a", 6, max_tokens=1))
     engine.add_request(make_request("b", 6, max_tokens=1))
     finished = []
@@ -160,11 +195,13 @@ def test_async_engine_finishes_when_running_requests_wait_for_their_last_token(
 
 
 def test_engine_tells_workers_about_an_abort_even_with_nothing_left_to_run(
-        make_request, history_token):
+    make_request, history_token
+):
     for async_scheduling in (False, True):
         executor = FakeExecutor(100, history_token, False)
-        engine = EngineCore(SchedulerConfig(async_scheduling=async_scheduling),
-                            CacheConfig(block_size=4), executor)
+        engine = EngineCore(
+            SchedulerConfig(async_scheduling=async_scheduling), CacheConfig(block_size=4), executor
+        )
         engine.add_request(make_request("a", 6, max_tokens=50))
         engine.step()
         engine.step()
@@ -177,25 +214,62 @@ def test_engine_tells_workers_about_an_abort_even_with_nothing_left_to_run(
 
 
 # The fixtures hand out plain functions: sharing them across examples is safe.
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(block_size=st.sampled_from([1, 4, 16]), extra_blocks=st.integers(0, 20),
-       budget=st.integers(1, 64), max_num_seqs=st.integers(1, 5),
-       threshold=st.sampled_from([0, 0, 7]), caching=st.booleans(),
-       specs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20)), min_size=1,
-                      max_size=8))
-def test_async_matches_sync_on_random_workloads(make_request, history_token, overlap_recorder,
-                                                block_size, extra_blocks, budget, max_num_seqs,
-                                                threshold, caching, specs):
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    block_size=st.sampled_from([1, 4, 16]),
+    extra_blocks=st.integers(0, 20),
+    budget=st.integers(1, 64),
+    max_num_seqs=st.integers(1, 5),
+    threshold=st.sampled_from([0, 0, 7]),
+    caching=st.booleans(),
+    specs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20)), min_size=1, max_size=8),
+)
+def test_async_matches_sync_on_random_workloads(
+    make_request,
+    history_token,
+    overlap_recorder,
+    block_size,
+    extra_blocks,
+    budget,
+    max_num_seqs,
+    threshold,
+    caching,
+    specs,
+):
     specs = [(f"r{i}", prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(specs)]
     # Room for the longest request alone, so every request can finish.
     longest = max(prompt + max_tokens for _, prompt, max_tokens in specs)
-    config = dict(block_size=block_size, num_blocks=1 + -(-longest // block_size) + extra_blocks,
-                  max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                  long_prefill_token_threshold=threshold, enable_prefix_caching=caching)
-    sync = _run_engine(make_request, history_token, async_scheduling=False, threaded=False,
-                       specs=specs, recorder=overlap_recorder, **config)
-    async_ = _run_engine(make_request, history_token, async_scheduling=True, threaded=False,
-                         specs=specs, recorder=overlap_recorder, **config)
+    config = dict(
+        block_size=block_size,
+        num_blocks=1 + -(-longest // block_size) + extra_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=threshold,
+        enable_prefix_caching=caching,
+    )
+    sync = _run_engine(
+        make_request,
+        history_token,
+        async_scheduling=False,
+        threaded=False,
+        specs=specs,
+        recorder=overlap_recorder,
+        **config,
+    )
+    async_ = _run_engine(
+        make_request,
+        history_token,
+        async_scheduling=True,
+        threaded=False,
+        specs=specs,
+        recorder=overlap_recorder,
+        **config,
+    )
     assert async_[:2] == sync[:2]
     assert sync[3] == 0

@@ -4,16 +4,24 @@ prefix blocks, and KV cache events, checked against a KV oracle.
 The oracle (KVOracle in conftest.py) stands in for the worker's KV cache and
 fails on any read of KV that is not the request's own.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from tokenbudget.core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus,
-                              SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput)
-from tokenbudget.core.kv.events import (DEVICE, HOST, AllCleared, KVEventGap,
-                                        KVEventReplayer)
+from tokenbudget.core import (
+    CacheConfig,
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from tokenbudget.core.kv.events import DEVICE, HOST, AllCleared, KVEventGap, KVEventReplayer
 
 from .conftest import KVOracle
 
@@ -31,26 +39,48 @@ def sample(s: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
 
-def make_scheduler(num_blocks: int, num_offload_blocks: int | None, *, block_size: int = 4,
-                   caching: bool = True, events: bool = False, policy: str = "fcfs",
-                   load_budget: int = 256, budget: int = 64, max_seqs: int = 8) -> Scheduler:
+def make_scheduler(
+    num_blocks: int,
+    num_offload_blocks: int | None,
+    *,
+    block_size: int = 4,
+    caching: bool = True,
+    events: bool = False,
+    policy: str = "fcfs",
+    load_budget: int = 256,
+    budget: int = 64,
+    max_seqs: int = 8,
+) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=128,
-                        policy=policy),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                    enable_prefix_caching=caching, num_offload_blocks=num_offload_blocks,
-                    kv_load_blocks_per_step=load_budget, enable_kv_cache_events=events))
+        SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=128, policy=policy
+        ),
+        CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=caching,
+            num_offload_blocks=num_offload_blocks,
+            kv_load_blocks_per_step=load_budget,
+            enable_kv_cache_events=events,
+        ),
+    )
 
 
 PREFIXES = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
 
 
 def random_request(rng: random.Random, rid: str, priority: bool = False) -> Request:
-    prefix = rng.choice(PREFIXES + [[]])[:rng.randint(0, 16)]
+    prefix = rng.choice(PREFIXES + [[]])[: rng.randint(0, 16)]
     prompt = prefix + [rng.randint(1, 11) for _ in range(rng.randint(1, 16))]
     params = SamplingParams(max_tokens=rng.randint(1, 16), ignore_eos=True)
-    return Request(rid, prompt, params, eos_token_id=EOS,
-                   priority=rng.randint(0, 2) if priority else 0, arrival_time=float(rid[1:]))
+    return Request(
+        rid,
+        prompt,
+        params,
+        eos_token_id=EOS,
+        priority=rng.randint(0, 2) if priority else 0,
+        arrival_time=float(rid[1:]),
+    )
 
 
 def check_tiers(s: Scheduler) -> None:
@@ -60,8 +90,9 @@ def check_tiers(s: Scheduler) -> None:
     assert set(s.kv_tiering.swapped) <= waiting, "a swapped request is not waiting"
 
 
-def run_workload(s: Scheduler, rng: random.Random, num_ops: int, *, priority: bool = False,
-                 on_step=None) -> tuple[dict[str, list[int]], KVOracle]:
+def run_workload(
+    s: Scheduler, rng: random.Random, num_ops: int, *, priority: bool = False, on_step=None
+) -> tuple[dict[str, list[int]], KVOracle]:
     oracle = KVOracle(s.cache_config.block_size)
     outputs: dict[str, list[int]] = {}
     n = 0
@@ -100,10 +131,15 @@ def test_random_workloads_read_only_their_own_kv_and_leak_no_block_in_either_tie
     host = rng.choice([None, 2, 6, 40])
     block_size = rng.choice([2, 4])
     # Room for one request at its longest (48 tokens), and little more: preemptions.
-    s = make_scheduler(num_blocks=48 // block_size + 1 + rng.randint(0, 6),
-                       num_offload_blocks=host, block_size=block_size, caching=rng.random() < 0.8,
-                       policy=rng.choice(["fcfs", "priority"]), load_budget=rng.choice([1, 3, 256]),
-                       budget=rng.choice([8, 32, 64]))
+    s = make_scheduler(
+        num_blocks=48 // block_size + 1 + rng.randint(0, 6),
+        num_offload_blocks=host,
+        block_size=block_size,
+        caching=rng.random() < 0.8,
+        policy=rng.choice(["fcfs", "priority"]),
+        load_budget=rng.choice([1, 3, 256]),
+        budget=rng.choice([8, 32, 64]),
+    )
     _, oracle = run_workload(s, rng, 120, priority=s.scheduler_config.policy == "priority")
     assert oracle.num_reads > 0
     pool = s.kv_cache_manager.block_pool
@@ -117,12 +153,20 @@ def test_random_workloads_read_only_their_own_kv_and_leak_no_block_in_either_tie
 
 def _pressure(num_offload_blocks: int | None, caching: bool = True):
     rng = random.Random(7)
-    s = make_scheduler(num_blocks=17, num_offload_blocks=num_offload_blocks, caching=caching,
-                       budget=64, max_seqs=8)
+    s = make_scheduler(
+        num_blocks=17, num_offload_blocks=num_offload_blocks, caching=caching, budget=64, max_seqs=8
+    )
     for i in range(8):
         prompt = [rng.randint(1, 11) for _ in range(12)]
-        s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True),
-                              eos_token_id=EOS, arrival_time=float(i)))
+        s.add_request(
+            Request(
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=24, ignore_eos=True),
+                eos_token_id=EOS,
+                arrival_time=float(i),
+            )
+        )
     outputs, oracle = run_workload(s, rng, 0)
     return outputs, s
 
@@ -152,15 +196,20 @@ def test_a_host_tier_too_small_falls_back_to_recompute():
 
 
 @pytest.mark.parametrize("num_offload_blocks", [None, 8])
-def test_a_victim_already_scheduled_this_step_leaves_no_uncomputed_block_cached(
-        num_offload_blocks):
+def test_a_victim_already_scheduled_this_step_leaves_no_uncomputed_block_cached(num_offload_blocks):
     """A's chunk (positions 6-8) completes a block, hashed when scheduled, and
     starts another; later in the same step B needs a block and A, the worse
     priority, is preempted. The completed block's KV is never computed, so it
     must not stay findable: A, resumed next step, would hit it."""
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, policy="priority",
-                                  long_prefill_token_threshold=3),
-                  CacheConfig(block_size=4, num_blocks=5, num_offload_blocks=num_offload_blocks))
+    s = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            policy="priority",
+            long_prefill_token_threshold=3,
+        ),
+        CacheConfig(block_size=4, num_blocks=5, num_offload_blocks=num_offload_blocks),
+    )
     oracle = KVOracle(4)
 
     def step() -> SchedulerOutput:
@@ -171,12 +220,27 @@ def test_a_victim_already_scheduled_this_step_leaves_no_uncomputed_block_cached(
         check_tiers(s)
         return so
 
-    s.add_request(Request("a", list(range(1, 15)), SamplingParams(max_tokens=2, ignore_eos=True),
-                          eos_token_id=EOS, priority=1, arrival_time=0.0))
+    s.add_request(
+        Request(
+            "a",
+            list(range(1, 15)),
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            eos_token_id=EOS,
+            priority=1,
+            arrival_time=0.0,
+        )
+    )
     step()
-    s.add_request(Request("b", list(range(20, 26)), SamplingParams(max_tokens=2,
-                                                                   ignore_eos=True),
-                          eos_token_id=EOS, priority=0, arrival_time=1.0))
+    s.add_request(
+        Request(
+            "b",
+            list(range(20, 26)),
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            eos_token_id=EOS,
+            priority=0,
+            arrival_time=1.0,
+        )
+    )
     step()
     assert step().preempted_req_ids == {"a"}
     while s.has_unfinished_requests():
@@ -189,8 +253,13 @@ def test_an_evicted_prefix_is_loaded_back_from_the_host_tier():
     oracle = KVOracle(4)
 
     def run(rid: str, prompt: list[int]) -> Request:
-        req = Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                      eos_token_id=EOS, arrival_time=0.0)
+        req = Request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=1, ignore_eos=True),
+            eos_token_id=EOS,
+            arrival_time=0.0,
+        )
         s.add_request(req)
         while s.has_unfinished_requests():
             so = s.schedule()
@@ -230,8 +299,13 @@ def test_replaying_kv_events_rebuilds_each_tiers_cached_hashes():
     assert s.reset_prefix_cache()
     compare(s)
     assert not replayer.tiers[DEVICE] and not replayer.tiers[HOST]
-    assert {("BlockStored", DEVICE), ("BlockStored", HOST), ("BlockRemoved", DEVICE),
-            ("BlockRemoved", HOST), ("AllCleared", None)} <= kinds
+    assert {
+        ("BlockStored", DEVICE),
+        ("BlockStored", HOST),
+        ("BlockRemoved", DEVICE),
+        ("BlockRemoved", HOST),
+        ("AllCleared", None),
+    } <= kinds
 
 
 def test_a_lagging_subscriber_gets_a_snapshot_and_a_lost_batch_is_detected():
@@ -263,9 +337,15 @@ def test_a_request_that_computes_its_whole_prompt_recomputes_instead_of_swapping
     rng = random.Random(7)
     for i in range(8):
         prompt = [rng.randint(1, 11) for _ in range(12)]
-        s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True,
-                                                              prompt_logprobs=0),
-                              eos_token_id=EOS, arrival_time=float(i)))
+        s.add_request(
+            Request(
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=0),
+                eos_token_id=EOS,
+                arrival_time=float(i),
+            )
+        )
     swapped_seen = []
     run_workload(s, rng, 0, on_step=lambda s: swapped_seen.append(bool(s.kv_tiering.swapped)))
     stats = s.make_stats()

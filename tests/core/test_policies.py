@@ -1,4 +1,5 @@
 """SGLang-style policies inside the token-budget scheduler (issue 6)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,8 @@ from tokenbudget.core import RequestStatus, SchedulerConfig
 from tokenbudget.core.policy.cache_aware import make_victim_picker
 from tokenbudget.core.failures import QueueFullError
 
-BASE = list(range(100, 164))     # a 64-token (4-block) prefix
-OTHER = list(range(500, 548))    # a 48-token (3-block) prefix
+BASE = list(range(100, 164))  # a 64-token (4-block) prefix
+OTHER = list(range(500, 548))  # a 48-token (3-block) prefix
 
 
 def tail(n: int, start: int) -> list[int]:
@@ -26,10 +27,12 @@ def warm(sched, step, make_request, rid: str, prompt: list[int]) -> None:
 def make_scheduler(make_scheduler):
     """Test requests arrive at t = 1, 2, ...; a clock stopped at 0 keeps them
     clear of aging unless a test sets its own clock."""
+
     def make(**kwargs):
         sched = make_scheduler(**kwargs)
         sched.clock = lambda: 0.0
         return sched
+
     return make
 
 
@@ -42,9 +45,14 @@ def order(sched) -> tuple[list[str], set[str]]:
 def test_lpm_orders_by_cached_prefix_then_arrival(make_scheduler, make_request, step):
     sched = make_scheduler(policy="lpm")
     warm(sched, step, make_request, "warm", BASE)
-    for rid, prompt in [("cold", tail(40, 900)), ("b16", BASE[:16] + tail(20, 700)),
-                        ("c48", BASE[:48] + tail(10, 720)), ("d64", BASE + tail(10, 740)),
-                        ("e32", BASE[:32] + tail(5, 760)), ("d64b", BASE + tail(3, 780))]:
+    for rid, prompt in [
+        ("cold", tail(40, 900)),
+        ("b16", BASE[:16] + tail(20, 700)),
+        ("c48", BASE[:48] + tail(10, 720)),
+        ("d64", BASE + tail(10, 740)),
+        ("e32", BASE[:32] + tail(5, 760)),
+        ("d64b", BASE + tail(3, 780)),
+    ]:
         sched.add_request(make_request(rid, prompt))
     ids, dep = order(sched)
     assert ids == ["d64", "d64b", "c48", "e32", "b16", "cold"]
@@ -54,21 +62,32 @@ def test_lpm_orders_by_cached_prefix_then_arrival(make_scheduler, make_request, 
 def test_lpm_falls_back_to_fcfs_above_the_queue_bound(make_scheduler, make_request, step):
     sched = make_scheduler(policy="lpm", lpm_fallback_queue_len=3)
     warm(sched, step, make_request, "warm", BASE)
-    for rid, prompt in [("cold", tail(40, 900)), ("b16", BASE[:16] + tail(20, 700)),
-                        ("d64", BASE + tail(10, 740)), ("c48", BASE[:48] + tail(10, 720))]:
+    for rid, prompt in [
+        ("cold", tail(40, 900)),
+        ("b16", BASE[:16] + tail(20, 700)),
+        ("d64", BASE + tail(10, 740)),
+        ("c48", BASE[:48] + tail(10, 720)),
+    ]:
         sched.add_request(make_request(rid, prompt))
     assert order(sched)[0] == ["cold", "b16", "d64", "c48"]
 
 
 def test_dfs_weight_groups_requests_by_cached_branch_heaviest_first(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     sched = make_scheduler(policy="dfs-weight")
     warm(sched, step, make_request, "warm1", BASE)
     warm(sched, step, make_request, "warm2", OTHER)
-    arrivals = [("y1", OTHER + tail(5, 800)), ("d1", BASE + tail(5, 810)),
-                ("a", tail(40, 900)), ("y2", OTHER + tail(6, 820)),
-                ("c", BASE[:48] + tail(9, 830)), ("b", BASE[:16] + tail(30, 840)),
-                ("d2", BASE + tail(7, 850)), ("y3", OTHER + tail(8, 860))]
+    arrivals = [
+        ("y1", OTHER + tail(5, 800)),
+        ("d1", BASE + tail(5, 810)),
+        ("a", tail(40, 900)),
+        ("y2", OTHER + tail(6, 820)),
+        ("c", BASE[:48] + tail(9, 830)),
+        ("b", BASE[:16] + tail(30, 840)),
+        ("d2", BASE + tail(7, 850)),
+        ("y3", OTHER + tail(8, 860)),
+    ]
     for rid, prompt in arrivals:
         sched.add_request(make_request(rid, prompt))
     ids, _ = order(sched)
@@ -108,8 +127,10 @@ def test_priority_flag_runs_higher_values_first(make_scheduler, make_request):
 # -- in-batch prefix deprioritisation ---------------------------------------
 def _shared_group(make_request):
     shared = tail(64, 300)
-    return [make_request(rid, shared + tail(16, 400 + 20 * k), max_tokens=4)
-            for k, rid in enumerate(["A", "B", "C"])]
+    return [
+        make_request(rid, shared + tail(16, 400 + 20 * k), max_tokens=4)
+        for k, rid in enumerate(["A", "B", "C"])
+    ]
 
 
 def test_in_batch_sharers_wait_one_round_then_hit(make_scheduler, make_request, step):
@@ -127,7 +148,8 @@ def test_in_batch_sharers_wait_one_round_then_hit(make_scheduler, make_request, 
 
 
 def test_without_deprioritisation_same_step_admission_still_shares(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     # Blocks are registered when allocated, so requests admitted later in the
     # same step hit what the earlier one computes in that very forward.
     sched = make_scheduler(policy="lpm", in_batch_prefix_check_threshold=0)
@@ -140,16 +162,26 @@ def test_without_deprioritisation_same_step_admission_still_shares(
 # -- aging -------------------------------------------------------------------
 def _first_step_of_cold_request(make_scheduler, make_request, step, aging: float) -> int | None:
     now = [0.0]
-    sched = make_scheduler(policy="lpm", aging_bound_s=aging, max_num_batched_tokens=20,
-                           in_batch_prefix_check_threshold=0)
+    sched = make_scheduler(
+        policy="lpm",
+        aging_bound_s=aging,
+        max_num_batched_tokens=20,
+        in_batch_prefix_check_threshold=0,
+    )
     sched.clock = lambda: now[0]
     warm(sched, step, make_request, "warm", BASE)
     sched.add_request(make_request("cold", tail(40, 900), max_tokens=1, arrival=0.0))
     for n in range(30):
         # A steady stream of cache-hot requests: two per step.
         for k in range(2):
-            sched.add_request(make_request(f"hot{n}-{k}", BASE + tail(16, 1000 + 40 * n + 20 * k),
-                                           max_tokens=1, arrival=now[0]))
+            sched.add_request(
+                make_request(
+                    f"hot{n}-{k}",
+                    BASE + tail(16, 1000 + 40 * n + 20 * k),
+                    max_tokens=1,
+                    arrival=now[0],
+                )
+            )
         so, _ = step(sched)
         if "cold" in so.num_scheduled_tokens:
             return n
@@ -167,8 +199,9 @@ def test_aging_bounds_the_wait_of_a_cold_request(make_scheduler, make_request, s
 
 # -- admission reserve ---------------------------------------------------------
 def _reserve_run(make_scheduler, make_request, run_to_completion, reserve: bool):
-    sched = make_scheduler(policy="fcfs", admission_reserve=reserve, num_blocks=301,
-                           max_num_batched_tokens=4096)
+    sched = make_scheduler(
+        policy="fcfs", admission_reserve=reserve, num_blocks=301, max_num_batched_tokens=4096
+    )
     for i in range(64):
         sched.add_request(make_request(f"r{i}", 64, max_tokens=64 + 4 * (i % 17)))
     run = run_to_completion(sched)
@@ -181,11 +214,14 @@ def _reserve_run(make_scheduler, make_request, run_to_completion, reserve: bool)
 
 
 def test_admission_reserve_cuts_preemptions_at_similar_throughput(
-        make_scheduler, make_request, run_to_completion):
-    pre_off, steps_off, time_off, tokens_off = _reserve_run(make_scheduler, make_request,
-                                                            run_to_completion, False)
-    pre_on, steps_on, time_on, tokens_on = _reserve_run(make_scheduler, make_request,
-                                                        run_to_completion, True)
+    make_scheduler, make_request, run_to_completion
+):
+    pre_off, steps_off, time_off, tokens_off = _reserve_run(
+        make_scheduler, make_request, run_to_completion, False
+    )
+    pre_on, steps_on, time_on, tokens_on = _reserve_run(
+        make_scheduler, make_request, run_to_completion, True
+    )
     assert tokens_on == tokens_off
     assert pre_off >= 20
     assert pre_on <= pre_off // 10
@@ -194,8 +230,9 @@ def test_admission_reserve_cuts_preemptions_at_similar_throughput(
     assert time_on <= 1.1 * time_off
 
 
-def _admits_into_blocks_the_running_request_will_need(make_scheduler, make_request, step,
-                                                      **config) -> bool:
+def _admits_into_blocks_the_running_request_will_need(
+    make_scheduler, make_request, step, **config
+) -> bool:
     """One running request will grow by 40 tokens (10 blocks) into 14 free
     blocks; a newcomer needs 8 of them now. Without a reserve it is admitted."""
     sched = make_scheduler(block_size=4, num_blocks=17, **config)
@@ -208,10 +245,12 @@ def _admits_into_blocks_the_running_request_will_need(make_scheduler, make_reque
 
 
 def test_reserve_is_off_by_default_for_fcfs_and_on_for_cache_aware_policies(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     def admits(**config):
         return _admits_into_blocks_the_running_request_will_need(
-            make_scheduler, make_request, step, **config)
+            make_scheduler, make_request, step, **config
+        )
 
     assert admits(policy="fcfs") and admits(policy="priority")  # vLLM: no reserve
     assert not admits(policy="lpm") and not admits(policy="lof")
@@ -238,7 +277,8 @@ def _first_victim(make_scheduler, make_request, step, preemption_mode: str) -> s
 
 
 def test_retract_preempts_fewest_generated_then_longest_prompt_in_the_scheduler(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     # long and short have generated as many tokens (fewer than a): the longer prompt goes.
     assert _first_victim(make_scheduler, make_request, step, "retract") == {"long"}
     # vLLM's order: the last admitted.
@@ -273,7 +313,8 @@ def _full_memory_then_urgent(make_scheduler, make_request, step, running_priorit
 
 
 def test_high_priority_request_displaces_much_worse_running_ones(
-        make_scheduler, make_request, step, run_to_completion):
+    make_scheduler, make_request, step, run_to_completion
+):
     sched, so = _full_memory_then_urgent(make_scheduler, make_request, step, 20)
     assert so.num_scheduled_tokens.get("urgent") == 30
     assert so.preempted_req_ids == {"bg2"}  # only as many as needed: the latest arrival
@@ -299,7 +340,8 @@ def test_queue_limit_rejects_the_next_request(make_scheduler, make_request):
 
 
 def test_queue_limit_with_priority_evicts_the_worst_for_a_better_newcomer(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     sched = make_scheduler(policy="priority", max_queued_requests=2)
     sched.add_request(make_request("p5", 8, priority=5))
     sched.add_request(make_request("p7", 8, priority=7))
@@ -328,20 +370,27 @@ def test_eviction_notice_is_returned_by_the_next_engine_step(make_request):
         def execute_model(self, so):
             # One token for each request that completed its prompt (a reply
             # without it is an error); the scheduler already counted the step.
-            ids = [r for r, n in so.num_scheduled_tokens.items()
-                   if engine.scheduler.requests[r].num_computed_tokens
-                   >= engine.scheduler.requests[r].num_tokens]
+            ids = [
+                r
+                for r, n in so.num_scheduled_tokens.items()
+                if engine.scheduler.requests[r].num_computed_tokens
+                >= engine.scheduler.requests[r].num_tokens
+            ]
             fut = Future()
-            fut.set_result(ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
-                                             [[5] for _ in ids]))
+            fut.set_result(
+                ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[5] for _ in ids])
+            )
             return fut
 
         def shutdown(self):
             pass
 
     # max_num_seqs=1 with a long-running request: the queue fills, nothing new runs.
-    engine = EngineCore(SchedulerConfig(policy="priority", max_queued_requests=1, max_num_seqs=1),
-                        CacheConfig(), IdleExecutor())
+    engine = EngineCore(
+        SchedulerConfig(policy="priority", max_queued_requests=1, max_num_seqs=1),
+        CacheConfig(),
+        IdleExecutor(),
+    )
     engine.add_request(make_request("p5", 8, priority=5))
     engine.add_request(make_request("p1", 8, priority=1))
     outs = engine.step()
@@ -351,8 +400,12 @@ def test_eviction_notice_is_returned_by_the_next_engine_step(make_request):
 def test_dfs_weight_orders_only_the_head_window(make_scheduler, make_request, step):
     sched = make_scheduler(policy="dfs-weight", cache_aware_window=2)
     warm(sched, step, make_request, "warm", BASE)
-    for rid, prompt in [("cold1", tail(40, 900)), ("hot1", BASE + tail(5, 700)),
-                        ("cold2", tail(40, 950)), ("hot2", BASE + tail(5, 720))]:
+    for rid, prompt in [
+        ("cold1", tail(40, 900)),
+        ("hot1", BASE + tail(5, 700)),
+        ("cold2", tail(40, 950)),
+        ("hot2", BASE + tail(5, 720)),
+    ]:
         sched.add_request(make_request(rid, prompt))
     ids, _ = order(sched)
     # The window [cold1, hot1] is ordered (cached first); cold2 and hot2 keep

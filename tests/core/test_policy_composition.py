@@ -1,6 +1,7 @@
 """make_policy composes the parts a config turns on behind one
 SchedulingPolicy (core/policy/factory.py): which parts, and how a hook that
 several parts implement combines them."""
+
 from __future__ import annotations
 
 from tokenbudget.core import Request, SamplingParams, SchedulerConfig
@@ -32,8 +33,9 @@ def test_each_option_adds_its_part_in_hook_order():
     assert list(policy.parts) == ["slo", "victims"]
     policy = make_policy(_config(policy="priority"), block_size=16)
     assert list(policy.parts) == ["priority", "victims"]
-    policy = make_policy(_config(policy="priority", priority_preemption_threshold=-1),
-                         block_size=16)
+    policy = make_policy(
+        _config(policy="priority", priority_preemption_threshold=-1), block_size=16
+    )
     assert list(policy.parts) == ["victims"]
 
 

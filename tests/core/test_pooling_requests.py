@@ -1,6 +1,7 @@
 """Pooling (embedding) requests in the scheduler: prefill only, finished with
 the worker's pooled vector in the step their prompt completes, beside
 generation requests; MEAN and CLS never read the prefix cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,9 @@ class PoolingModel:
         return out
 
 
-def test_pooling_request_is_prefill_only_beside_generation(make_scheduler, make_request,
-                                                           run_to_completion, fake_model):
+def test_pooling_request_is_prefill_only_beside_generation(
+    make_scheduler, make_request, run_to_completion, fake_model
+):
     s = make_scheduler(max_num_batched_tokens=16, block_size=4)
     s.add_request(make_request("gen", 5, max_tokens=6))
     s.add_request(pooling_request("emb", list(range(40))))
@@ -53,8 +55,11 @@ def test_pooling_request_is_prefill_only_beside_generation(make_scheduler, make_
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     # Some step computed a pooling chunk next to the generation's decode.
     assert any(sched.get("gen") == 1 and "emb" in sched for sched in run.schedules)
-    assert not s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() == \
-        s.kv_cache_manager.block_pool.num_blocks - 1
+    assert (
+        not s.requests
+        and s.kv_cache_manager.block_pool.get_num_free_blocks()
+        == s.kv_cache_manager.block_pool.num_blocks - 1
+    )
 
 
 def test_the_vector_comes_out_on_the_final_output(make_scheduler, step, fake_model):
@@ -64,14 +69,15 @@ def test_the_vector_comes_out_on_the_final_output(make_scheduler, step, fake_mod
     outs = []
     while s.has_unfinished_requests():
         outs += step(s, model)[1]
-    assert [(o.request_id, o.finish_reason, o.pooling_output) for o in outs] == \
-        [("emb", "stop", [20.0])]
+    assert [(o.request_id, o.finish_reason, o.pooling_output) for o in outs] == [
+        ("emb", "stop", [20.0])
+    ]
 
 
 @pytest.mark.parametrize("kind,cached", [("LAST", 16), ("MEAN", 0), ("CLS", 0)])
-def test_only_last_token_pooling_reads_the_prefix_cache(make_scheduler, make_request,
-                                                        run_to_completion, fake_model,
-                                                        kind, cached):
+def test_only_last_token_pooling_reads_the_prefix_cache(
+    make_scheduler, make_request, run_to_completion, fake_model, kind, cached
+):
     s = make_scheduler(block_size=8)
     prompt = list(range(100, 120))
     s.add_request(make_request("warm", prompt, max_tokens=1))
@@ -100,16 +106,18 @@ def test_async_never_schedules_past_the_prompt(make_scheduler, fake_model):
     assert "emb" not in s.requests
 
 
-def test_a_worker_that_samples_instead_of_pooling_fails_the_request(make_scheduler, step,
-                                                                    fake_model):
+def test_a_worker_that_samples_instead_of_pooling_fails_the_request(
+    make_scheduler, step, fake_model
+):
     """A worker that ignores pooling_params (an older one) samples a token
     when the prompt completes: the request fails with the reason, rather than
     waiting forever for a vector, and frees its blocks."""
     s = make_scheduler(block_size=4)
     s.add_request(pooling_request("emb", list(range(10))))
     _, outs = step(s, fake_model())
-    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outs] == \
-        [("emb", "abort", [])]
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outs] == [
+        ("emb", "abort", [])
+    ]
     assert isinstance(outs[0].error, UnsupportedRequestError)  # gRPC UNIMPLEMENTED
     assert "does not support pooling" in str(outs[0].error)
     assert not s.requests and not s.running

@@ -1,5 +1,6 @@
 """Preemption when KV blocks run out: who is the victim, where it goes, and
 that it later finishes with exactly the tokens of an unpressured run."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,8 @@ def _oracle_tokens(make_scheduler, make_request, run_to_completion, specs):
 
 
 def test_fcfs_victim_goes_to_head_of_waiting_keeps_outputs_and_resumes(
-        make_scheduler, make_request, step, run_to_completion):
+    make_scheduler, make_request, step, run_to_completion
+):
     specs = [("a", 4, 6), ("b", 4, 6), ("c", 4, 6), ("d", 4, 6)]
     s = make_scheduler(block_size=4, num_blocks=5, max_num_seqs=3)  # 4 usable blocks
     for rid, prompt, max_tokens in specs:
@@ -45,13 +47,17 @@ def test_fcfs_victim_goes_to_head_of_waiting_keeps_outputs_and_resumes(
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 4
 
 
-@pytest.mark.parametrize("policy, priorities, victim", [
-    ("fcfs", {"b": 5, "a": 0, "c": 1}, "c"),      # the last admitted
-    ("priority", {"b": 5, "a": 0, "c": 1}, "b"),  # max priority value, though scheduled first
-    ("priority", {"b": 1, "a": 0, "c": 1}, "c"),  # equal priority: the later arrival
-])
-def test_preemption_victim_by_policy(make_scheduler, make_request, step, policy, priorities,
-                                     victim):
+@pytest.mark.parametrize(
+    "policy, priorities, victim",
+    [
+        ("fcfs", {"b": 5, "a": 0, "c": 1}, "c"),  # the last admitted
+        ("priority", {"b": 5, "a": 0, "c": 1}, "b"),  # max priority value, though scheduled first
+        ("priority", {"b": 1, "a": 0, "c": 1}, "c"),  # equal priority: the later arrival
+    ],
+)
+def test_preemption_victim_by_policy(
+    make_scheduler, make_request, step, policy, priorities, victim
+):
     s = make_scheduler(block_size=4, num_blocks=4, policy=policy)  # 3 usable blocks
     s.add_request(make_request("b", 2, priority=priorities["b"], max_tokens=10))
     step(s)
@@ -70,8 +76,9 @@ def test_preemption_victim_by_policy(make_scheduler, make_request, step, policy,
     s.kv_cache_manager.block_pool.check_invariants()
 
 
-def test_no_waiting_request_is_admitted_in_a_step_that_preempted(make_scheduler, make_request,
-                                                                 step):
+def test_no_waiting_request_is_admitted_in_a_step_that_preempted(
+    make_scheduler, make_request, step
+):
     s = make_scheduler(block_size=4, num_blocks=4, max_num_seqs=2, policy="priority")
     s.add_request(make_request("a", 4, priority=0, max_tokens=10))  # 1 block
     s.add_request(make_request("c", 5, priority=1, max_tokens=10))  # 2 blocks
@@ -88,7 +95,8 @@ def test_no_waiting_request_is_admitted_in_a_step_that_preempted(make_scheduler,
 
 
 def test_preempted_requests_finish_with_the_tokens_of_an_unpressured_run(
-        make_scheduler, make_request, run_to_completion):
+    make_scheduler, make_request, run_to_completion
+):
     specs = [(f"r{i}", 3 + 5 * i, 12) for i in range(6)]
     s = make_scheduler(block_size=4, num_blocks=12, max_num_batched_tokens=16)
     reqs = [make_request(rid, p, max_tokens=m) for rid, p, m in specs]
@@ -107,7 +115,8 @@ def test_preempted_requests_finish_with_the_tokens_of_an_unpressured_run(
 
 
 def test_resumed_request_is_sent_with_its_full_token_ids_and_block_table(
-        make_scheduler, make_request, step):
+    make_scheduler, make_request, step
+):
     s = make_scheduler(block_size=4, num_blocks=5, max_num_seqs=3)
     for rid in "abc":
         s.add_request(make_request(rid, 4, max_tokens=3))

@@ -1,5 +1,6 @@
 """Prefix caching: full blocks are found again by their chained hash, salts and
 images change the hash, and freed blocks are evicted LRU, chain tail first."""
+
 from __future__ import annotations
 
 from tokenbudget.core.kv import BlockPool
@@ -10,7 +11,8 @@ def _prompt(n: int, start: int = 1) -> list[int]:
 
 
 def test_second_request_reuses_three_cached_blocks_of_a_finished_one(
-        make_scheduler, make_request, step, run_to_completion):
+    make_scheduler, make_request, step, run_to_completion
+):
     s = make_scheduler(block_size=16)
     s.add_request(make_request("first", _prompt(50), max_tokens=2))
     first_so, _ = step(s)
@@ -31,7 +33,8 @@ def test_second_request_reuses_three_cached_blocks_of_a_finished_one(
 
 
 def test_prompt_fully_in_cache_still_recomputes_its_last_token(
-        make_scheduler, make_request, step, run_to_completion):
+    make_scheduler, make_request, step, run_to_completion
+):
     s = make_scheduler(block_size=16)
     s.add_request(make_request("first", _prompt(48), max_tokens=2))
     run_to_completion(s)
@@ -50,15 +53,16 @@ def test_prompt_fully_in_cache_still_recomputes_its_last_token(
     assert so.num_scheduled_tokens["plus_one"] == 1
 
 
-def test_different_cache_salt_gets_no_hit(make_scheduler, make_request, step,
-                                          run_to_completion):
+def test_different_cache_salt_gets_no_hit(make_scheduler, make_request, step, run_to_completion):
     s = make_scheduler(block_size=16)
     s.add_request(make_request("first", _prompt(50), max_tokens=1, salt="alice"))
     run_to_completion(s)
 
-    reqs = [make_request("other_salt", _prompt(50), max_tokens=1, salt="bob"),
-            make_request("no_salt", _prompt(50), max_tokens=1),
-            make_request("same_salt", _prompt(50), max_tokens=1, salt="alice")]
+    reqs = [
+        make_request("other_salt", _prompt(50), max_tokens=1, salt="bob"),
+        make_request("no_salt", _prompt(50), max_tokens=1),
+        make_request("same_salt", _prompt(50), max_tokens=1, salt="alice"),
+    ]
     for r in reqs:
         s.add_request(r)
     step(s)
@@ -67,8 +71,9 @@ def test_different_cache_salt_gets_no_hit(make_scheduler, make_request, step,
     assert cached == {"other_salt": 0, "no_salt": 0, "same_salt": 48}
 
 
-def test_different_image_gets_no_hit_on_blocks_overlapping_it(make_scheduler, make_request,
-                                                              step, run_to_completion):
+def test_different_image_gets_no_hit_on_blocks_overlapping_it(
+    make_scheduler, make_request, step, run_to_completion
+):
     s = make_scheduler(block_size=16)
     # The image's placeholder tokens [20, 36) overlap blocks 1 and 2.
     s.add_request(make_request("cat", _prompt(50), max_tokens=1, mm=[("cat", 20, 16)]))
@@ -85,7 +90,8 @@ def test_different_image_gets_no_hit_on_blocks_overlapping_it(make_scheduler, ma
 
 
 def test_freed_blocks_are_evicted_lru_first_and_chain_tail_before_head(
-        make_scheduler, make_request, step, run_to_completion):
+    make_scheduler, make_request, step, run_to_completion
+):
     s = make_scheduler(block_size=16, num_blocks=5)  # usable blocks 1..4
     s.add_request(make_request("chain", _prompt(40), max_tokens=1))
     so, _ = step(s)
@@ -134,8 +140,9 @@ def test_block_pool_revives_a_cached_free_block_and_evicts_on_reuse():
     pool.check_invariants()
 
 
-def test_reset_prefix_cache_is_refused_while_blocks_are_in_use(make_scheduler, make_request,
-                                                               step, run_to_completion):
+def test_reset_prefix_cache_is_refused_while_blocks_are_in_use(
+    make_scheduler, make_request, step, run_to_completion
+):
     s = make_scheduler(block_size=16)
     s.add_request(make_request("a", _prompt(40), max_tokens=3))
     step(s)
@@ -165,8 +172,8 @@ def test_freed_blocks_without_a_hash_are_reused_before_any_cached_block(make_req
     from tokenbudget.core.kv import KVCacheManager
 
     kv = KVCacheManager(num_blocks=7, block_size=4)  # 6 usable blocks
-    x = make_request("x", list(range(1, 9)))          # 2 full blocks
-    y = make_request("y", list(range(50, 64)))        # 3 full blocks + a partial one
+    x = make_request("x", list(range(1, 9)))  # 2 full blocks
+    y = make_request("y", list(range(50, 64)))  # 3 full blocks + a partial one
     for req in (x, y):
         kv.hasher.update(req)
         assert kv.allocate_slots(req, req.num_tokens) is not None
@@ -182,7 +189,8 @@ def test_freed_blocks_without_a_hash_are_reused_before_any_cached_block(make_req
 
 
 def test_no_prefix_cache_query_is_counted_with_caching_off_or_for_a_request_that_skips_it(
-        make_scheduler, make_request, run_to_completion):
+    make_scheduler, make_request, run_to_completion
+):
     off = make_scheduler(block_size=16, enable_prefix_caching=False)
     off.add_request(make_request("a", _prompt(40), max_tokens=2))
     run_to_completion(off)

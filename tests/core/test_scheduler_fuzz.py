@@ -27,6 +27,7 @@ default 40) and TOKENBUDGET_FUZZ_STEPS (rules per machine, default 40) make
 it longer, and ``-s`` prints what it ran (operations: adds, aborts, restarts
 and engine steps, the final drains included).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -39,7 +40,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from tokenbudget.core import CacheConfig, ModelRunnerOutput, Request, SamplingParams, SchedulerConfig, SchedulerOutput
+from tokenbudget.core import (
+    CacheConfig,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.core.structured.manager import StructuredOutputManager
 
@@ -47,15 +55,28 @@ EXAMPLES = int(os.environ.get("TOKENBUDGET_FUZZ_EXAMPLES", "60"))
 STEPS = int(os.environ.get("TOKENBUDGET_FUZZ_STEPS", "50"))
 VOCAB = ["<eos>", "a", "b", "c", "ab", "{", "}", '"', ":", ",", "1", " "]
 EOS = 0
-GRAMMARS = [{"regex": "(ab|c)+1"}, {"choice": ["abc", "ba", "c"]}, {"json_object": True},
-            {"regex": "(a|b)*"}]
+GRAMMARS = [
+    {"regex": "(ab|c)+1"},
+    {"choice": ["abc", "ba", "c"]},
+    {"json_object": True},
+    {"regex": "(a|b)*"},
+]
 BROKEN_GRAMMAR = {"regex": "(ab"}  # parses nowhere: its request fails alone
 # Consecutive engine steps with requests left, nothing sent to the worker and
 # nothing returned that make a wedge.
 WEDGE_STEPS = 3
-TOTALS = {"machines": 0, "operations": 0, "requests": 0, "preemptions": 0, "restarts": 0,
-          "structured": 0, "masked_steps": 0, "deferred_masks": 0, "finished": {},
-          "modes": {}}
+TOTALS = {
+    "machines": 0,
+    "operations": 0,
+    "requests": 0,
+    "preemptions": 0,
+    "restarts": 0,
+    "structured": 0,
+    "masked_steps": 0,
+    "deferred_masks": 0,
+    "finished": {},
+    "modes": {},
+}
 
 
 class TinyVocabOutputs(StructuredOutputManager):
@@ -93,8 +114,9 @@ class FuzzWorker:
     tokens (inside the grammar bitmask, accepting a random prefix of the
     drafts) for the requests whose known tokens a step completes."""
 
-    def __init__(self, machine: SchedulerMachine, num_blocks: int, spec: int,
-                 defer_masks: bool) -> None:
+    def __init__(
+        self, machine: SchedulerMachine, num_blocks: int, spec: int, defer_masks: bool
+    ) -> None:
         self.m, self.num_blocks, self.spec = machine, num_blocks, spec
         self.defers_grammar_bitmask = defer_masks
         self.rng = machine.rng
@@ -116,8 +138,7 @@ class FuzzWorker:
     def execute_model(self, so: SchedulerOutput) -> _Reply:
         s, cfg = self.m.engine.scheduler, self.m.sched_cfg
         counts = so.num_scheduled_tokens
-        assert so.total_num_scheduled_tokens == sum(counts.values()) \
-            <= cfg.max_num_batched_tokens
+        assert so.total_num_scheduled_tokens == sum(counts.values()) <= cfg.max_num_batched_tokens
         assert all(n > 0 for n in counts.values())
         assert len(s.running) <= cfg.max_num_seqs
         assert set(counts) <= {r.request_id for r in s.running}
@@ -163,22 +184,32 @@ class FuzzWorker:
             assert end <= known, f"{rid}: scheduled past the tokens the worker knows"
             new: list[int] = []
             if end == known:
-                rows = None if rid not in first_row else mask[first_row[rid]:]
+                rows = None if rid not in first_row else mask[first_row[rid] :]
                 new = self._sample(scheduled, rows)
                 history.extend(new)
             sampled.append(new)
-            drafts.append([self.rng.randrange(1, len(VOCAB))
-                           for _ in range(self.rng.randint(0, self.spec))] if new else [])
-        return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled,
-                                 spec_token_ids=drafts if self.spec else None)
+            drafts.append(
+                [self.rng.randrange(1, len(VOCAB)) for _ in range(self.rng.randint(0, self.spec))]
+                if new
+                else []
+            )
+        return ModelRunnerOutput(
+            ids,
+            {r: i for i, r in enumerate(ids)},
+            sampled,
+            spec_token_ids=drafts if self.spec else None,
+        )
 
     def _sample(self, drafts: list[int], rows: np.ndarray | None) -> list[int]:
         """Verify the drafts (each kept at random where its row allows it), then
         one token the row allows that is not the draft there."""
         out: list[int] = []
         for t in range(len(drafts) + 1):
-            allowed = list(range(len(VOCAB))) if rows is None else \
-                [v for v in range(len(VOCAB)) if rows[t, v // 32] >> (v % 32) & 1]
+            allowed = (
+                list(range(len(VOCAB)))
+                if rows is None
+                else [v for v in range(len(VOCAB)) if rows[t, v // 32] >> (v % 32) & 1]
+            )
             if t < len(drafts) and drafts[t] in allowed and self.rng.random() < 0.6:
                 out.append(drafts[t])
                 continue
@@ -203,8 +234,11 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig, bool, bool]:
         speculative_config={"method": "ngram", "num_speculative_tokens": spec} if spec else None,
         async_scheduling=async_scheduling,
     )
-    cache = CacheConfig(block_size=block_size, num_blocks=1 + draw(pool_blocks(block_size, spec)),
-                        enable_prefix_caching=draw(st.booleans()))
+    cache = CacheConfig(
+        block_size=block_size,
+        num_blocks=1 + draw(pool_blocks(block_size, spec)),
+        enable_prefix_caching=draw(st.booleans()),
+    )
     return sched, cache, draw(st.booleans()), async_scheduling and draw(st.booleans())
 
 
@@ -216,14 +250,21 @@ def pool_blocks(block_size: int, spec: int):
 class SchedulerMachine(RuleBasedStateMachine):
     """One engine and its fake worker; rules add, abort, step and restart."""
 
-    @initialize(config=configs(), seed=st.integers(0, 2**16),
-                tick_s=st.sampled_from([0.001, 0.5, 5.0]), came_back_smaller=st.booleans())
+    @initialize(
+        config=configs(),
+        seed=st.integers(0, 2**16),
+        tick_s=st.sampled_from([0.001, 0.5, 5.0]),
+        came_back_smaller=st.booleans(),
+    )
     def setup(self, config, seed: int, tick_s: float, came_back_smaller: bool) -> None:
         self.sched_cfg, self.cache_cfg, structured, defer_masks = config
         self.rng = random.Random(seed)
         self.spec = self.sched_cfg.num_speculative_tokens
-        self.som = TinyVocabOutputs(None, len(VOCAB), compile_threads=1,
-                                    fill_threads=1) if structured else None
+        self.som = (
+            TinyVocabOutputs(None, len(VOCAB), compile_threads=1, fill_threads=1)
+            if structured
+            else None
+        )
         num_blocks = self.cache_cfg.num_blocks
         if came_back_smaller:
             # The engine starts with a cache that holds max_model_len, and its
@@ -247,8 +288,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.errors: dict[str, str] = {}
         self.idle = 0
         TOTALS["machines"] += 1
-        mode = ("async, deferred masks" if defer_masks else "async") \
-            if self.sched_cfg.async_scheduling else "sync"
+        mode = (
+            ("async, deferred masks" if defer_masks else "async")
+            if self.sched_cfg.async_scheduling
+            else "sync"
+        )
         mode += f", {self.spec} drafts" if self.spec else ""
         mode += ", structured" if structured else ""
         TOTALS["modes"][mode] = TOTALS["modes"].get(mode, 0) + 1
@@ -264,31 +308,58 @@ class SchedulerMachine(RuleBasedStateMachine):
         return (self.engine.cache_config.num_blocks - 1) * self.cache_cfg.block_size
 
     # -- rules ----------------------------------------------------------------------
-    @rule(batch=st.lists(st.tuples(
-        st.integers(1, 70), st.booleans(), st.integers(1, 40), st.integers(0, 2), st.booleans(),
-        st.sampled_from([None, None] + GRAMMARS + [BROKEN_GRAMMAR])), min_size=1, max_size=4))
+    @rule(
+        batch=st.lists(
+            st.tuples(
+                st.integers(1, 70),
+                st.booleans(),
+                st.integers(1, 40),
+                st.integers(0, 2),
+                st.booleans(),
+                st.sampled_from([None, None] + GRAMMARS + [BROKEN_GRAMMAR]),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
     def add(self, batch: list[tuple]) -> None:
         """Requests (prompt length, shared prefix, max_tokens, priority,
         ignore_eos, grammar) arriving together."""
         for spec in batch:
             self._add(*spec)
 
-    def _add(self, prompt_len: int, shared: bool, max_tokens: int, priority: int,
-             ignore_eos: bool, grammar: dict | None) -> None:
+    def _add(
+        self,
+        prompt_len: int,
+        shared: bool,
+        max_tokens: int,
+        priority: int,
+        ignore_eos: bool,
+        grammar: dict | None,
+    ) -> None:
         TOTALS["operations"] += 1
         rid = f"r{len(self.requests)}"
-        base = [1, 2, 3, 4, 5, 6, 7, 8] * 9 if shared else \
-            [self.rng.randrange(1, len(VOCAB)) for _ in range(prompt_len)]
+        base = (
+            [1, 2, 3, 4, 5, 6, 7, 8] * 9
+            if shared
+            else [self.rng.randrange(1, len(VOCAB)) for _ in range(prompt_len)]
+        )
         structured = grammar if self.som is not None else None
-        req = Request(rid, base[:prompt_len],
-                      SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                     structured=structured),
-                      eos_token_id=EOS, priority=priority, arrival_time=float(len(self.requests)))
+        req = Request(
+            rid,
+            base[:prompt_len],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, structured=structured),
+            eos_token_id=EOS,
+            priority=priority,
+            arrival_time=float(len(self.requests)),
+        )
         self.requests[rid] = req
         if structured == BROKEN_GRAMMAR:
             self.broken.add(rid)
-        too_long = prompt_len > self.engine.scheduler_config.max_model_len or \
-            prompt_len + self.spec > self.pool_tokens
+        too_long = (
+            prompt_len > self.engine.scheduler_config.max_model_len
+            or prompt_len + self.spec > self.pool_tokens
+        )
         try:
             self.engine.add_request(req)
         except ValueError:
@@ -331,8 +402,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         TOTALS["operations"] += 1
         TOTALS["restarts"] += 1
-        self.worker.num_blocks = 1 + data.draw(pool_blocks(self.cache_cfg.block_size, self.spec),
-                                               label="blocks")
+        self.worker.num_blocks = 1 + data.draw(
+            pool_blocks(self.cache_cfg.block_size, self.spec), label="blocks"
+        )
         old = self.engine.scheduler
         for rid in list(old.requests):
             self.finish[rid] = "abort (by the test)"
@@ -342,8 +414,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._set_clock()
         pool = self.engine.scheduler.kv_cache_manager.block_pool
         pool.check_invariants()
-        assert pool.get_num_free_blocks() == self.engine.cache_config.num_blocks - 1 == \
-            self.worker.num_blocks - 1
+        assert (
+            pool.get_num_free_blocks()
+            == self.engine.cache_config.num_blocks - 1
+            == self.worker.num_blocks - 1
+        )
 
     # -- one engine step --------------------------------------------------------------
     def _step(self) -> None:
@@ -365,13 +440,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 elif out.finish_reason == "error":
                     # Only a request that can never fit alone: past the whole cache.
                     assert req.num_tokens + self.spec > self.pool_tokens, req
-                    assert req.num_prompt_tokens + req.max_tokens - 1 + self.spec \
-                        > self.pool_tokens, req
+                    assert (
+                        req.num_prompt_tokens + req.max_tokens - 1 + self.spec > self.pool_tokens
+                    ), req
         s = self.engine.scheduler
         s.kv_cache_manager.block_pool.check_invariants()
         compiling = self.som is not None and self.som.has_pending()
-        stuck = self.engine.has_unfinished_requests() and not outputs \
-            and self.worker.num_sent == sent and not compiling
+        stuck = (
+            self.engine.has_unfinished_requests()
+            and not outputs
+            and self.worker.num_sent == sent
+            and not compiling
+        )
         self.idle = self.idle + 1 if stuck else 0
         assert self.idle < WEDGE_STEPS, f"wedged: {list(s.requests.values())}"
 
@@ -388,8 +468,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not engine.has_unfinished_requests():
                 break
             self._step()
-        assert not engine.has_unfinished_requests(), \
+        assert not engine.has_unfinished_requests(), (
             f"not finished within {bound} steps: {list(s.requests.values())}"
+        )
         pool = s.kv_cache_manager.block_pool
         pool.check_invariants()
         assert pool.get_num_free_blocks() == self.engine.cache_config.num_blocks - 1
@@ -410,8 +491,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=True,
-    database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 TestSchedulerFuzz = SchedulerMachine.TestCase
 
 

@@ -1,6 +1,7 @@
 """Cases the scheduler fuzz (test_scheduler_fuzz.py) found that are not fixed
 yet, kept as exact replays: each is a strict xfail, so a fix turns it into a
 failure that says to make it a plain test."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,20 +10,40 @@ from tests.core.test_scheduler_fuzz import SchedulerMachine
 from tokenbudget.core import CacheConfig, SchedulerConfig
 
 
-@pytest.mark.xfail(strict=True, reason="async + 1 n-gram draft near max_tokens: the engine "
-                   "expects a token the worker was never asked for (WorkerReplyError)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="async + 1 n-gram draft near max_tokens: the engine "
+    "expects a token the worker was never asked for (WorkerReplyError)",
+)
 def test_async_one_draft_request_near_max_tokens_gets_its_last_token():
     """Found after the fuzz's examples changed (2026-11-27); present before
     this round's restructuring (the layout move, c3151db, fails it too)."""
     state = SchedulerMachine()
-    state.setup(config=(SchedulerConfig(
-        max_num_batched_tokens=7, max_num_seqs=4, max_model_len=38,
-        long_prefill_token_threshold=5, policy="fcfs", priority_preemption_threshold=-1,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 1,
-                            "prompt_lookup_min": 5, "prompt_lookup_max": 5},
-        async_scheduling=True),
-        CacheConfig(block_size=8, num_blocks=8, enable_prefix_caching=False), False, False),
-        seed=0, tick_s=0.001, came_back_smaller=False)
+    state.setup(
+        config=(
+            SchedulerConfig(
+                max_num_batched_tokens=7,
+                max_num_seqs=4,
+                max_model_len=38,
+                long_prefill_token_threshold=5,
+                policy="fcfs",
+                priority_preemption_threshold=-1,
+                speculative_config={
+                    "method": "ngram",
+                    "num_speculative_tokens": 1,
+                    "prompt_lookup_min": 5,
+                    "prompt_lookup_max": 5,
+                },
+                async_scheduling=True,
+            ),
+            CacheConfig(block_size=8, num_blocks=8, enable_prefix_caching=False),
+            False,
+            False,
+        ),
+        seed=0,
+        tick_s=0.001,
+        came_back_smaller=False,
+    )
     one = (1, False, 1, 0, False, None)
     state.add(batch=[one, one, (1, False, 4, 0, False, None), (2, False, 10, 0, False, None)])
     state.step(n=1)

@@ -3,6 +3,7 @@ step with random model outputs keep every scheduler invariant, every request
 reads only its own KV (the KV oracle, through host-tier swaps and loads
 too), replaying the KV events rebuilds each tier's cached hashes, and a run to
 completion leaves every block and host slot free and no request behind."""
+
 from __future__ import annotations
 
 import random
@@ -10,16 +11,24 @@ import random
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.core import (ModelRunnerOutput, MultiModalFeature, Request, RequestStatus,
-                              SamplingParams, Scheduler, SchedulerConfig, CacheConfig,
-                              SchedulerOutput)
+from tokenbudget.core import (
+    ModelRunnerOutput,
+    MultiModalFeature,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    CacheConfig,
+    SchedulerOutput,
+)
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventReplayer
 
 from .conftest import KVOracle
 
 EOS = 0
 VOCAB = 12  # small, so random prompts share prefixes and hit the cache
-PAD = 99    # image placeholder token: equal for every image, told apart by mm_hash
+PAD = 99  # image placeholder token: equal for every image, told apart by mm_hash
 # Each image has a fixed number of embeddings, as a real mm_hash would.
 IMAGE_LENGTHS = {"img0": 5, "img1": 9, "img2": 20, "huge": 70}
 
@@ -43,12 +52,15 @@ def scheduler_configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         encoder_cache_size=draw(st.sampled_from([20, 40, 64])),
         speculative_config={"method": "ngram", "num_speculative_tokens": spec} if spec else None,
     )
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        enable_prefix_caching=draw(st.booleans()),
-                        # The host tier: none, too small for most swaps, or roomy.
-                        num_offload_blocks=draw(st.sampled_from([None, 1, 4, 64, 64])),
-                        kv_load_blocks_per_step=draw(st.sampled_from([1, 3, 256])),
-                        enable_kv_cache_events=draw(st.booleans()))
+    cache = CacheConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=draw(st.booleans()),
+        # The host tier: none, too small for most swaps, or roomy.
+        num_offload_blocks=draw(st.sampled_from([None, 1, 4, 64, 64])),
+        kv_load_blocks_per_step=draw(st.sampled_from([1, 3, 256])),
+        enable_kv_cache_events=draw(st.booleans()),
+    )
     return sched, cache
 
 
@@ -64,21 +76,29 @@ def requests(draw, request_id: str, max_model_len: int) -> Request:
         length = IMAGE_LENGTHS[mm_hash]
         if pos + length > len(prompt):
             break
-        prompt[pos:pos + length] = [PAD] * length
+        prompt[pos : pos + length] = [PAD] * length
         features.append(MultiModalFeature(mm_hash, pos, length))
         pos += length + draw(st.integers(0, 6))
     max_tokens = draw(st.integers(1, 20))
     params = SamplingParams(
-        max_tokens=max_tokens, min_tokens=draw(st.integers(0, max_tokens)),
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, max_tokens)),
         ignore_eos=draw(st.booleans()),
-        stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=1)))
-    return Request(request_id, prompt, params, eos_token_id=EOS,
-                   priority=draw(st.integers(0, 2)), arrival_time=float(request_id[1:]),
-                   mm_features=features, cache_salt=draw(st.sampled_from([None, None, "s"])))
+        stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=1)),
+    )
+    return Request(
+        request_id,
+        prompt,
+        params,
+        eos_token_id=EOS,
+        priority=draw(st.integers(0, 2)),
+        arrival_time=float(request_id[1:]),
+        mm_features=features,
+        cache_salt=draw(st.sampled_from([None, None, "s"])),
+    )
 
 
-def random_model_output(s: Scheduler, so: SchedulerOutput, rng: random.Random
-                        ) -> ModelRunnerOutput:
+def random_model_output(s: Scheduler, so: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
     req_ids = list(so.num_scheduled_tokens)
     sampled, drafts = [], []
     spec = s.scheduler_config.num_speculative_tokens
@@ -87,13 +107,16 @@ def random_model_output(s: Scheduler, so: SchedulerOutput, rng: random.Random
         new: list[int] = []
         if req.num_computed_tokens >= req.num_tokens:  # prefill complete: sample
             scheduled = so.scheduled_spec_decode_tokens.get(rid, [])
-            new = scheduled[:rng.randint(0, len(scheduled))]
+            new = scheduled[: rng.randint(0, len(scheduled))]
             new.append(rng.randrange(VOCAB))
         sampled.append(new)
-        drafts.append([rng.randrange(1, VOCAB) for _ in range(rng.randint(0, spec))]
-                      if new else [])
-    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
-                             spec_token_ids=drafts if spec and rng.random() < 0.9 else None)
+        drafts.append([rng.randrange(1, VOCAB) for _ in range(rng.randint(0, spec))] if new else [])
+    return ModelRunnerOutput(
+        req_ids,
+        {r: i for i, r in enumerate(req_ids)},
+        sampled,
+        spec_token_ids=drafts if spec and rng.random() < 0.9 else None,
+    )
 
 
 def check_after_schedule(s: Scheduler, so: SchedulerOutput) -> None:
@@ -142,8 +165,13 @@ def check_encoder_cache(s: Scheduler) -> None:
     assert all(rid in s.requests for refs in ecm.cached.values() for rid in refs)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(st.data())
 def test_random_workloads_keep_scheduler_invariants(data):
     sched_cfg, cache_cfg = data.draw(scheduler_configs(), label="config")
@@ -179,8 +207,14 @@ def test_random_workloads_keep_scheduler_invariants(data):
         s.kv_tiering.check_invariants()
         check_encoder_cache(s)
 
-    ops = data.draw(st.lists(st.sampled_from(["add", "add", "abort", "step", "step", "step"]),
-                             min_size=10, max_size=40), label="ops")
+    ops = data.draw(
+        st.lists(
+            st.sampled_from(["add", "add", "abort", "step", "step", "step"]),
+            min_size=10,
+            max_size=40,
+        ),
+        label="ops",
+    )
     for op in ops:
         if op == "add":
             req = data.draw(requests(f"r{len(all_requests)}", sched_cfg.max_model_len))
@@ -196,8 +230,12 @@ def test_random_workloads_keep_scheduler_invariants(data):
         elif op == "abort" and all_requests:
             # Often a swapped request: its host slots must come back.
             swapped = sorted(s.kv_tiering.swapped)
-            rid = data.draw(st.sampled_from(swapped if swapped and data.draw(st.booleans())
-                                            else sorted(all_requests)), label="abort")
+            rid = data.draw(
+                st.sampled_from(
+                    swapped if swapped and data.draw(st.booleans()) else sorted(all_requests)
+                ),
+                label="abort",
+            )
             aborted_swapped |= rid in s.kv_tiering.swapped
             was_live = rid in s.requests
             assert (s.finish_requests(rid, RequestStatus.FINISHED_ABORTED) == [rid]) == was_live

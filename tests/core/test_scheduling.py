@@ -1,12 +1,12 @@
 """The token budget: decode and prefill chunks share a step, long prompts are
 chunked, and the caps (budget, max_num_seqs, max_model_len) always hold."""
+
 from __future__ import annotations
 
 import pytest
 
 
-def test_one_step_mixes_decode_tokens_with_a_new_prefill_chunk(make_scheduler, make_request,
-                                                               step):
+def test_one_step_mixes_decode_tokens_with_a_new_prefill_chunk(make_scheduler, make_request, step):
     s = make_scheduler(max_num_batched_tokens=64)
     s.add_request(make_request("a", 10))
     s.add_request(make_request("b", 10))
@@ -22,7 +22,8 @@ def test_one_step_mixes_decode_tokens_with_a_new_prefill_chunk(make_scheduler, m
 
 
 def test_3000_token_prompt_with_budget_1024_runs_1024_1024_952_then_decodes(
-        make_scheduler, make_request, run_to_completion):
+    make_scheduler, make_request, run_to_completion
+):
     s = make_scheduler(max_num_batched_tokens=1024)
     s.add_request(make_request("long", 3000, max_tokens=3))
 
@@ -32,17 +33,20 @@ def test_3000_token_prompt_with_budget_1024_runs_1024_1024_952_then_decodes(
     assert len(run.tokens["long"]) == 3
 
 
-def test_long_prefill_threshold_splits_three_prompts_400_400_224(make_scheduler, make_request,
-                                                                  step):
+def test_long_prefill_threshold_splits_three_prompts_400_400_224(
+    make_scheduler, make_request, step
+):
     s = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
     for rid in "abc":
         s.add_request(make_request(rid, 800))
 
     steps = [step(s)[0].num_scheduled_tokens for _ in range(3)]
 
-    assert steps == [{"a": 400, "b": 400, "c": 224},
-                     {"a": 400, "b": 400, "c": 224},
-                     {"a": 1, "b": 1, "c": 352}]
+    assert steps == [
+        {"a": 400, "b": 400, "c": 224},
+        {"a": 400, "b": 400, "c": 224},
+        {"a": 1, "b": 1, "c": 352},
+    ]
 
 
 def test_running_never_exceeds_max_num_seqs(make_scheduler, make_request, step):

@@ -1,5 +1,6 @@
 """policy="slo" (deadline order, early refusal) and fair_share (weighted fair
 queueing over tenants) in the real scheduler, with the fake model."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,9 @@ def test_slo_admits_the_earliest_ttft_deadline_first(make_scheduler, make_reques
 
 
 def test_slo_refuses_early_what_cannot_meet_its_ttft(make_scheduler, make_request, step):
-    sched = make_scheduler(policy="slo", slo_reject_late=True, slo_step_time_ms=50.0,
-                           max_num_batched_tokens=64)
+    sched = make_scheduler(
+        policy="slo", slo_reject_late=True, slo_step_time_ms=50.0, max_num_batched_tokens=64
+    )
     sched.clock = lambda: 0.0
     ok = make_request("ok", 32, max_tokens=2, arrival=0.0)
     ok.ttft_ms = 100.0  # one 50 ms step: in time
@@ -47,8 +49,9 @@ def test_slo_refuses_early_what_cannot_meet_its_ttft(make_scheduler, make_reques
     sched.kv_cache_manager.block_pool.check_invariants()
 
 
-def test_slo_keeps_late_requests_queued_when_not_rejecting(make_scheduler, make_request,
-                                                           run_to_completion):
+def test_slo_keeps_late_requests_queued_when_not_rejecting(
+    make_scheduler, make_request, run_to_completion
+):
     sched = make_scheduler(policy="slo", slo_step_time_ms=50.0, max_num_batched_tokens=64)
     sched.clock = lambda: 0.0
     late = make_request("late", 256, max_tokens=2, arrival=0.0)
@@ -60,14 +63,20 @@ def test_slo_keeps_late_requests_queued_when_not_rejecting(make_scheduler, make_
 
 @pytest.mark.parametrize("reject_late", [True, False])
 def test_slo_resumes_a_preempted_request_with_output_first_and_never_refuses_it(
-        make_scheduler, make_request, step, reject_late):
+    make_scheduler, make_request, step, reject_late
+):
     # Two 16-token prompts growing to 56 tokens in 6 blocks of 16: the later
     # one is preempted with output. It met its TTFT already, so it must come
     # back ahead of the request still waiting for its first token (not be
     # refused as late mid-generation, nor wait behind on-time requests). When
     # the first finishes, the victim and the newcomer do not both fit.
-    sched = make_scheduler(policy="slo", slo_reject_late=reject_late, slo_step_time_ms=1.0,
-                           num_blocks=7, max_num_seqs=2)
+    sched = make_scheduler(
+        policy="slo",
+        slo_reject_late=reject_late,
+        slo_step_time_ms=1.0,
+        num_blocks=7,
+        max_num_seqs=2,
+    )
     sched.clock = lambda: 0.0
     for rid, arrival in (("a", 0.0), ("b", 0.0)):
         req = make_request(rid, 16, max_tokens=40, arrival=arrival)
@@ -79,8 +88,9 @@ def test_slo_resumes_a_preempted_request_with_output_first_and_never_refuses_it(
             break
         so, outs = step(sched)
         preempted |= so.preempted_req_ids
-        for rid in [r.req_id for r in so.scheduled_new_reqs] + \
-                list(so.scheduled_cached_reqs.resumed_token_ids):
+        for rid in [r.req_id for r in so.scheduled_new_reqs] + list(
+            so.scheduled_cached_reqs.resumed_token_ids
+        ):
             admitted_at.setdefault(rid, []).append(n)
         finish.update((o.request_id, o.finish_reason) for o in outs if o.finish_reason)
         if preempted and "c" not in sched.requests and "c" not in finish:
@@ -105,12 +115,23 @@ def test_fair_share_interleaves_tenants_by_weighted_tokens(make_scheduler, make_
         req.tenant = "b"
         sched.add_request(req)
     # b weighs twice a: two of b's requests per one of a's once both wait.
-    assert _admitted_order(sched, step, 10) == ["a0", "b0", "b1", "a1", "b2", "b3", "a2",
-                                                "a3", "a4", "a5"]
+    assert _admitted_order(sched, step, 10) == [
+        "a0",
+        "b0",
+        "b1",
+        "a1",
+        "b2",
+        "b3",
+        "a2",
+        "a3",
+        "a4",
+        "a5",
+    ]
 
 
 def test_fair_share_takes_a_seat_back_from_the_tenant_above_its_share(
-        make_scheduler, make_request, step, run_to_completion):
+    make_scheduler, make_request, step, run_to_completion
+):
     sched = make_scheduler(fair_share=True, max_num_seqs=4)
     for i in range(4):
         req = make_request(f"a{i}", 16, max_tokens=50)
@@ -166,11 +187,16 @@ def test_slo_step_time_ignores_idle_gaps(make_scheduler, make_request, run_to_co
 
 @pytest.mark.parametrize("cap", [True, False])
 def test_fair_share_caps_a_tenants_prompt_tokens_per_step_at_its_share(
-        make_scheduler, make_request, run_to_completion, cap):
+    make_scheduler, make_request, run_to_completion, cap
+):
     # Budget 256 and b weighs 3: while b has work, a's prompt tokens per step
     # are capped at 256 * 1 / (1 + 3) = 64, first chunk (admission) included.
-    sched = make_scheduler(fair_share=True, fair_share_chunk_cap=cap, tenant_weights={"b": 3.0},
-                           max_num_batched_tokens=256)
+    sched = make_scheduler(
+        fair_share=True,
+        fair_share_chunk_cap=cap,
+        tenant_weights={"b": 3.0},
+        max_num_batched_tokens=256,
+    )
     for i in range(3):
         b = make_request(f"b{i}", 8, max_tokens=30)
         b.tenant = "b"
@@ -207,13 +233,17 @@ def test_fair_share_chunk_cap_needs_two_tenants_with_work(make_scheduler, make_r
     assert so.num_scheduled_tokens == {"a0": 128, "b0": 128}
 
 
-def test_slo_chunk_order_decodes_then_least_slack_then_late(make_scheduler, make_request,
-                                                             step):
+def test_slo_chunk_order_decodes_then_least_slack_then_late(make_scheduler, make_request, step):
     # 100 ms steps, 64-token chunks: slack = deadline - now - chunks left x 0.1 s.
     sched = make_scheduler(policy="slo", slo_step_time_ms=100.0, max_num_batched_tokens=64)
     sched.clock = lambda: 10.0
-    specs = {"loose": (640, 5000.0), "none": (640, None), "tight": (128, 500.0),
-             "late": (640, 200.0), "decode": (4, None)}
+    specs = {
+        "loose": (640, 5000.0),
+        "none": (640, None),
+        "tight": (128, 500.0),
+        "late": (640, 200.0),
+        "decode": (4, None),
+    }
     reqs = {}
     for rid, (n, ttft) in specs.items():
         reqs[rid] = req = make_request(rid, n, max_tokens=8, arrival=10.0)
@@ -225,6 +255,5 @@ def test_slo_chunk_order_decodes_then_least_slack_then_late(make_scheduler, make
     order = sched._slo.chunk_order(running, 10.0)
     # tight: 10.5 - 10 - 2 x 0.1 = 0.3 s; loose: 5 - 1 = 4 s; late: 0.2 - 1 < 0 (last,
     # with "none", in running order).
-    assert [r.request_id for r in order] == ["decode", "resumed", "tight", "loose", "none",
-                                             "late"]
+    assert [r.request_id for r in order] == ["decode", "resumed", "tight", "loose", "none", "late"]
     assert sched._slo.chunk_order([reqs["decode"]], 10.0) == [reqs["decode"]]

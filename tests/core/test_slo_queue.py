@@ -2,6 +2,7 @@
 full re-sort it replaces: the same operations on a plain FCFS queue
 reordered by ``SLOOrder.order_all`` must give the same order, request for
 request, at every step."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,7 @@ from tokenbudget.core.policy.slo import SLOOrder
 from tokenbudget.core.policy.slo_queue import SLOQueue
 
 
-def _reference_arrange(order: SLOOrder, ref: FCFSQueue, now: float,
-                       per_step: int) -> list[Request]:
+def _reference_arrange(order: SLOOrder, ref: FCFSQueue, now: float, per_step: int) -> list[Request]:
     aged, on_time, late = order.order_all(list(ref), now, per_step)
     if order.reject_late:
         ref.reorder(aged + on_time)
@@ -30,8 +30,14 @@ def _reference_arrange(order: SLOOrder, ref: FCFSQueue, now: float,
 @pytest.mark.parametrize("aging_s", [0.0, 1.5])
 def test_slo_queue_orders_as_the_full_resort(reject_late, ties, aging_s):
     rng = random.Random(hash((reject_late, ties, aging_s)) & 0xFFFF)
-    order = SLOOrder(SchedulerConfig(policy="slo", max_num_batched_tokens=256,
-                                     aging_bound_s=aging_s, slo_reject_late=reject_late))
+    order = SLOOrder(
+        SchedulerConfig(
+            policy="slo",
+            max_num_batched_tokens=256,
+            aging_bound_s=aging_s,
+            slo_reject_late=reject_late,
+        )
+    )
     q, ref = SLOQueue(), FCFSQueue()
     now, n = 0.0, 0
     preempted: list[Request] = []
@@ -39,9 +45,13 @@ def test_slo_queue_orders_as_the_full_resort(reject_late, ties, aging_s):
         now += rng.choice((0.0, 0.01, 0.05, 0.2))
         for _ in range(rng.randrange(4)):
             arrival = round(now - rng.random() * 0.1, 1 if ties else 9)
-            req = Request(f"r{n}", [1] * rng.randrange(1, 300), SamplingParams(max_tokens=8),
-                          arrival_time=arrival,
-                          ttft_ms=rng.choice((None, 100.0, 300.0, 1000.0)))
+            req = Request(
+                f"r{n}",
+                [1] * rng.randrange(1, 300),
+                SamplingParams(max_tokens=8),
+                arrival_time=arrival,
+                ttft_ms=rng.choice((None, 100.0, 300.0, 1000.0)),
+            )
             n += 1
             q.add(req)
             ref.add(req)

@@ -1,5 +1,6 @@
 """Speculative decoding: drafts are scheduled for verification, rejected ones
 roll back num_computed_tokens, and tokens past a stop are dropped."""
+
 from __future__ import annotations
 
 from tokenbudget.core import ModelRunnerOutput
@@ -8,8 +9,9 @@ DRAFTS = [101, 102, 103]
 
 
 def _drafting_scheduler(make_scheduler, make_request, **sampling):
-    s = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                       block_size=4)
+    s = make_scheduler(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4
+    )
     s.add_request(make_request("r", 8, **sampling))
     return s, s.requests["r"]
 
@@ -28,8 +30,9 @@ def test_scheduled_drafts_appear_in_the_output(make_scheduler, make_request, fak
     assert len(s.kv_cache_manager.get_block_ids("r")) >= 3
 
 
-def test_rejected_drafts_roll_back_num_computed_tokens(make_scheduler, make_request,
-                                                       fake_model, step):
+def test_rejected_drafts_roll_back_num_computed_tokens(
+    make_scheduler, make_request, fake_model, step
+):
     s, r = _drafting_scheduler(make_scheduler, make_request, max_tokens=20)
     model = fake_model(drafts=lambda req: list(DRAFTS), accept={"r": 1})
     step(s, model)
@@ -45,8 +48,7 @@ def test_rejected_drafts_roll_back_num_computed_tokens(make_scheduler, make_requ
 
 
 def test_tokens_past_a_stop_token_are_trimmed(make_scheduler, make_request, fake_model, step):
-    s, r = _drafting_scheduler(make_scheduler, make_request, max_tokens=20,
-                               stop_token_ids=[102])
+    s, r = _drafting_scheduler(make_scheduler, make_request, max_tokens=20, stop_token_ids=[102])
     model = fake_model(drafts=lambda req: list(DRAFTS))
     _, first = step(s, model)
 
@@ -71,8 +73,9 @@ def test_drafts_never_exceed_max_tokens(make_scheduler, make_request, fake_model
     assert r.num_output_tokens == 3
 
 
-def test_a_step_without_new_drafts_schedules_no_stale_ones(make_scheduler, make_request,
-                                                           fake_model, step):
+def test_a_step_without_new_drafts_schedules_no_stale_ones(
+    make_scheduler, make_request, fake_model, step
+):
     s, r = _drafting_scheduler(make_scheduler, make_request, max_tokens=20)
     proposals = [list(DRAFTS)]
     model = fake_model(drafts=lambda req: proposals.pop() if proposals else [])
@@ -90,9 +93,13 @@ def _output(rid: str, tokens: list[int], drafts: list[int]) -> ModelRunnerOutput
 
 
 def test_async_drops_drafts_a_step_in_flight_made_stale_and_spends_scheduled_ones(
-        make_scheduler, make_request):
-    s = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                       block_size=4, async_scheduling=True)
+    make_scheduler, make_request
+):
+    s = make_scheduler(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        block_size=4,
+        async_scheduling=True,
+    )
     s.add_request(make_request("r", 8, max_tokens=20))
     r = s.requests["r"]
     so1 = s.schedule()  # the prompt; samples output 0

@@ -2,6 +2,7 @@
 hashes (LoRA) and the hash algorithm, the admission reserve's ignore_eos and
 clip rules, num_common_prefix_blocks, and skipped waiting requests keeping
 their place at the head of the queue."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,8 @@ def test_block_hashes_key_on_the_lora_adapter():
     hasher = BlockHasher(16)
     base, lora1, lora1_again, lora2 = (
         hasher.update(_request(rid, prompt, lora_id))
-        for rid, lora_id in (("a", None), ("b", 1), ("c", 1), ("d", 2)))
+        for rid, lora_id in (("a", None), ("b", 1), ("c", 1), ("d", 2))
+    )
     assert len(base) == len(lora1) == 2
     assert lora1 == lora1_again  # the same adapter shares its cache
     # Every block differs, not only the first: the adapter changes all of them.
@@ -55,16 +57,17 @@ def test_sha256_block_hash_is_the_documented_chain():
     assert got == [first, second]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xxhash") is None,
-                    reason="xxhash is an optional extra (tokenbudget[fast-hash])")
+@pytest.mark.skipif(
+    importlib.util.find_spec("xxhash") is None,
+    reason="xxhash is an optional extra (tokenbudget[fast-hash])",
+)
 def test_xxhash_block_hash_is_xxh3_128_over_the_same_chain(make_scheduler, step):
     import xxhash
 
     prompt = list(range(7, 39))
     got = BlockHasher(16, "xxhash", seed=1234).update(_request("a", prompt))
     first = xxhash.xxh3_128_digest(array("q", prompt[:16]).tobytes(), 1234)
-    assert got == [first, xxhash.xxh3_128_digest(first + array("q", prompt[16:]).tobytes(),
-                                                 1234)]
+    assert got == [first, xxhash.xxh3_128_digest(first + array("q", prompt[16:]).tobytes(), 1234)]
     # And the prefix cache works on it (with this process's random seed).
     s = make_scheduler(block_size=16, hash_algo="xxhash")
     s.add_request(_request("a", prompt, max_tokens=1))
@@ -90,9 +93,10 @@ def _running(rid: str, max_tokens: int, generated: int, ignore_eos: bool) -> Req
 
 
 def test_reserve_counts_ignore_eos_requests_in_full_and_others_at_the_ratio():
-    reserve = AdmissionReserve(SchedulerConfig(init_new_token_ratio=0.5,
-                                               reserve_clip_tokens=10_000), block_size=4)
-    eos = _running("eos", max_tokens=100, generated=20, ignore_eos=False)       # 80 left
+    reserve = AdmissionReserve(
+        SchedulerConfig(init_new_token_ratio=0.5, reserve_clip_tokens=10_000), block_size=4
+    )
+    eos = _running("eos", max_tokens=100, generated=20, ignore_eos=False)  # 80 left
     no_eos = _running("no-eos", max_tokens=100, generated=60, ignore_eos=True)  # 40 left
     assert reserve.future_tokens(eos) == 80 * 0.5
     assert reserve.future_tokens(no_eos) == 40  # always runs to max_tokens
@@ -100,8 +104,9 @@ def test_reserve_counts_ignore_eos_requests_in_full_and_others_at_the_ratio():
 
 
 def test_reserve_clips_each_requests_remaining_tokens():
-    reserve = AdmissionReserve(SchedulerConfig(init_new_token_ratio=0.5, reserve_clip_tokens=30),
-                               block_size=4)
+    reserve = AdmissionReserve(
+        SchedulerConfig(init_new_token_ratio=0.5, reserve_clip_tokens=30), block_size=4
+    )
     eos = _running("eos", max_tokens=1000, generated=0, ignore_eos=False)
     no_eos = _running("no-eos", max_tokens=1000, generated=0, ignore_eos=True)
     short = _running("short", max_tokens=12, generated=2, ignore_eos=True)  # 10 < clip
@@ -110,8 +115,12 @@ def test_reserve_clips_each_requests_remaining_tokens():
 
 
 def test_reserve_ratio_decays_to_its_floor():
-    reserve = AdmissionReserve(SchedulerConfig(init_new_token_ratio=0.5, min_new_token_ratio=0.3,
-                                               new_token_ratio_decay=0.125), block_size=4)
+    reserve = AdmissionReserve(
+        SchedulerConfig(
+            init_new_token_ratio=0.5, min_new_token_ratio=0.3, new_token_ratio_decay=0.125
+        ),
+        block_size=4,
+    )
     ratios = []
     for _ in range(3):
         reserve.on_step()
@@ -120,8 +129,7 @@ def test_reserve_ratio_decays_to_its_floor():
 
 
 # -- num_common_prefix_blocks --------------------------------------------------------
-def test_num_common_prefix_blocks_counts_blocks_every_running_request_shares(
-        make_scheduler, step):
+def test_num_common_prefix_blocks_counts_blocks_every_running_request_shares(make_scheduler, step):
     s = make_scheduler(block_size=4, num_blocks=64, max_num_batched_tokens=1000)
     shared = list(range(50, 62))  # 3 full blocks
     s.add_request(_request("a", shared + [1, 2, 3, 4, 5], max_tokens=50))
@@ -146,18 +154,30 @@ def test_num_common_prefix_blocks_is_zero_without_prefix_caching(make_scheduler,
 class _GrammarsNeverReady:
     """A structured-output manager whose grammars are still compiling."""
 
-    def add_request(self, request): pass
-    def remove_request(self, request): pass
-    def is_ready(self, request): return False
-    def take_failed(self): return []
-    def grammar_bitmask(self, requests, scheduled, spec): return None, []
+    def add_request(self, request):
+        pass
+
+    def remove_request(self, request):
+        pass
+
+    def is_ready(self, request):
+        return False
+
+    def take_failed(self):
+        return []
+
+    def grammar_bitmask(self, requests, scheduled, spec):
+        return None, []
 
 
 def test_skipped_waiting_requests_return_to_the_head_of_the_queue_in_order():
     from tokenbudget.core import Scheduler
 
-    s = Scheduler(SchedulerConfig(max_num_seqs=2), CacheConfig(block_size=4, num_blocks=64),
-                  _GrammarsNeverReady())
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=2),
+        CacheConfig(block_size=4, num_blocks=64),
+        _GrammarsNeverReady(),
+    )
     json = StructuredOutputParams(json_object=True)
     for rid in ("s1", "a", "s2", "b", "c"):
         structured = json if rid.startswith("s") else None

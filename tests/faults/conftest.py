@@ -6,6 +6,7 @@ cancelled, drained). Everything starts at once, in parallel, for the session.
 The process helpers are tests/grpc/conftest.py's (loaded by path under the
 module name pytest gives it, so pytest reuses that one module).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,7 +29,8 @@ def _grpc_conftest():
     name = "tests.grpc.conftest"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).parents[1] / "grpc" / "conftest.py")
+            name, Path(__file__).parents[1] / "grpc" / "conftest.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -37,8 +39,13 @@ def _grpc_conftest():
 
 _helpers = _grpc_conftest()
 Proc, spawn, spawn_server, free_port, wait_serving, listening_addresses = (
-    _helpers.Proc, _helpers.spawn, _helpers.spawn_server, _helpers.free_port,
-    _helpers.wait_serving, _helpers.listening_addresses)
+    _helpers.Proc,
+    _helpers.spawn,
+    _helpers.spawn_server,
+    _helpers.free_port,
+    _helpers.wait_serving,
+    _helpers.listening_addresses,
+)
 BIN, START_TIMEOUT = _helpers.BIN, _helpers.START_TIMEOUT
 
 # The remote server's hung-worker bound: far above a tiny model's step (ms),
@@ -66,10 +73,10 @@ class Tls:
 class Faults:
     model: str
     secret_file: Path
-    worker: Proc          # --worker-secret-file; killed and restarted by the tests
+    worker: Proc  # --worker-secret-file; killed and restarted by the tests
     worker_port: int
-    remote: Proc          # server --worker ... --worker-step-timeout STEP_TIMEOUT
-    public: Proc          # in-process model; TLS + mTLS (when openssl exists), --api-key, limits
+    remote: Proc  # server --worker ... --worker-step-timeout STEP_TIMEOUT
+    public: Proc  # in-process model; TLS + mTLS (when openssl exists), --api-key, limits
     tls: Tls | None
     reference: list[int]  # PROBE's greedy tokens on the fresh public server
 
@@ -85,13 +92,17 @@ class Faults:
     def public_channel(self) -> grpc.Channel:
         if self.tls is None:
             return grpc.insecure_channel(self.public.address)
-        return grpc.secure_channel(self.public.address, grpc.ssl_channel_credentials(
-            self.tls.ca, self.tls.client_key, self.tls.client_cert))
+        return grpc.secure_channel(
+            self.public.address,
+            grpc.ssl_channel_credentials(self.tls.ca, self.tls.client_key, self.tls.client_cert),
+        )
 
 
 def spawn_worker(name: str, port: int, *extra: str) -> Proc:
-    return spawn(name, [sys.executable, "-m", "tokenbudget.worker", "--port", str(port),
-                        "--threads", "1", *extra])
+    return spawn(
+        name,
+        [sys.executable, "-m", "tokenbudget.worker", "--port", str(port), "--threads", "1", *extra],
+    )
 
 
 def make_tls(folder: Path) -> Tls | None:
@@ -105,24 +116,72 @@ def make_tls(folder: Path) -> Tls | None:
         subprocess.run([openssl, *args], cwd=folder, check=True, capture_output=True)
 
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=tokenbudget test CA")
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                      ("client", "extendedKeyUsage=clientAuth")):
+    run(
+        "req",
+        "-x509",
+        *key,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=tokenbudget test CA",
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         (folder / f"{name}.ext").write_text(ext + "\n")
-        run("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN=tokenbudget test {name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
-    return Tls((folder / "ca.pem").read_bytes(), (folder / "client.pem").read_bytes(),
-               (folder / "client.key").read_bytes(),
-               ["--tls-cert", str(folder / "server.pem"), "--tls-key", str(folder / "server.key"),
-                "--tls-client-ca", str(folder / "ca.pem")])
+        run(
+            "req",
+            *key,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=tokenbudget test {name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )
+    return Tls(
+        (folder / "ca.pem").read_bytes(),
+        (folder / "client.pem").read_bytes(),
+        (folder / "client.key").read_bytes(),
+        [
+            "--tls-cert",
+            str(folder / "server.pem"),
+            "--tls-key",
+            str(folder / "server.key"),
+            "--tls-client-ca",
+            str(folder / "ca.pem"),
+        ],
+    )
 
 
 def health(channel: grpc.Channel, timeout: float = 5.0) -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                     timeout=timeout).status
+    return (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        .status
+    )
 
 
 def wait_health(channel: grpc.Channel, status: int, timeout: float) -> float:
@@ -151,8 +210,12 @@ def wait_idle(stats_of, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         s = stats_of()
-        if s.num_requests == 0 and s.num_running == 0 and s.num_waiting == 0 and \
-                s.num_free_blocks == s.num_total_blocks:
+        if (
+            s.num_requests == 0
+            and s.num_running == 0
+            and s.num_waiting == 0
+            and s.num_free_blocks == s.num_total_blocks
+        ):
             return s
         if time.monotonic() > deadline:
             return s  # the caller's assert_idle says what is left
@@ -169,25 +232,45 @@ def faults(tiny_qwen3_path, tmp_path_factory) -> Faults:
     worker_port = free_port()
     procs = [
         spawn_worker("worker", worker_port, "--worker-secret-file", str(secret_file)),
-        spawn_server("remote-server", tiny_qwen3_path, "--worker", f"127.0.0.1:{worker_port}",
-                     "--worker-secret-file", str(secret_file), "--worker-step-timeout",
-                     str(STEP_TIMEOUT), *KNOBS),
-        spawn_server("public-server", tiny_qwen3_path, "--api-key", API_KEY,
-                     "--max-concurrent-rpcs", str(MAX_RPCS), "--max-num-seqs", str(MAX_SEQS),
-                     "--max-queued-requests", str(MAX_QUEUED), *(tls.server_args if tls else ()),
-                     *KNOBS),
+        spawn_server(
+            "remote-server",
+            tiny_qwen3_path,
+            "--worker",
+            f"127.0.0.1:{worker_port}",
+            "--worker-secret-file",
+            str(secret_file),
+            "--worker-step-timeout",
+            str(STEP_TIMEOUT),
+            *KNOBS,
+        ),
+        spawn_server(
+            "public-server",
+            tiny_qwen3_path,
+            "--api-key",
+            API_KEY,
+            "--max-concurrent-rpcs",
+            str(MAX_RPCS),
+            "--max-num-seqs",
+            str(MAX_SEQS),
+            "--max-queued-requests",
+            str(MAX_QUEUED),
+            *(tls.server_args if tls else ()),
+            *KNOBS,
+        ),
     ]
     try:
         for p in procs:
             p.wait_listening()
         wait_serving(procs[1].address)
-        partial = Faults(tiny_qwen3_path, secret_file, procs[0], worker_port, procs[1],
-                         procs[2], tls, [])
+        partial = Faults(
+            tiny_qwen3_path, secret_file, procs[0], worker_port, procs[1], procs[2], tls, []
+        )
         with partial.public_channel() as ch:
             wait_health(ch, health_pb2.HealthCheckResponse.SERVING, START_TIMEOUT)
         with partial.public_client() as c:
-            partial.reference = c.generate(PROBE, max_tokens=PROBE_TOKENS, temperature=0,
-                                           ignore_eos=True).token_ids
+            partial.reference = c.generate(
+                PROBE, max_tokens=PROBE_TOKENS, temperature=0, ignore_eos=True
+            ).token_ids
     except Exception:
         for p in procs:
             p.stop()

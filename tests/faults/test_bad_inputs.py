@@ -9,10 +9,10 @@ message must hold (the field's name). A few rows are inputs that must be
 served, not refused (max_tokens far past the context is clamped, a 1x1
 image, a regex that backtracking engines take exponential time on).
 """
+
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import subprocess
@@ -41,6 +41,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 # -- the servers -----------------------------------------------------------------------
 
+
 @dataclass
 class _Server:
     proc: subprocess.Popen
@@ -59,8 +60,10 @@ class _Server:
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + timeout
-            while stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status != \
-                    health_pb2.HealthCheckResponse.SERVING:
+            while (
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                != health_pb2.HealthCheckResponse.SERVING
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("server never reported SERVING")
                 time.sleep(0.1)
@@ -72,11 +75,25 @@ class _Server:
 
 
 def _start(model: str, *flags: str) -> _Server:
-    argv = [str(Path(sys.executable).parent / "server"), "--model", model, "--host", "127.0.0.1",
-            "--port", "0", "--torch-threads", "1", *flags]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                     TOKENIZERS_PARALLELISM="false"))
+    argv = [
+        str(Path(sys.executable).parent / "server"),
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--torch-threads",
+        "1",
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false"),
+    )
     server = _Server(proc)
 
     def pump() -> None:  # keep the pipe drained; note the port once it listens
@@ -95,9 +112,19 @@ def _start(model: str, *flags: str) -> _Server:
 def servers(tiny_qwen3_path, tmp_path_factory) -> dict[str, _Server]:
     from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl
 
-    text = _start(tiny_qwen3_path, "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "64",
-                  "--max-num-batched-tokens", "64", "--max-logprobs", str(MAX_LOGPROBS),
-                  "--max-message-size", str(MAX_MESSAGE_SIZE))
+    text = _start(
+        tiny_qwen3_path,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-gpu-blocks",
+        "64",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-logprobs",
+        str(MAX_LOGPROBS),
+        "--max-message-size",
+        str(MAX_MESSAGE_SIZE),
+    )
     vl_path = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("bad_input_vl"), seed=0)
     vl = _start(vl_path, "--max-num-batched-tokens", "64", "--num-gpu-blocks", "64")
     try:
@@ -114,10 +141,13 @@ def servers(tiny_qwen3_path, tmp_path_factory) -> dict[str, _Server]:
 
 @pytest.fixture(scope="module")
 def channels(servers) -> dict[str, grpc.Channel]:
-    options = [("grpc.max_send_message_length", 8 << 20),
-               ("grpc.max_receive_message_length", 8 << 20)]
-    opened = {name: grpc.insecure_channel(s.address, options=options)
-              for name, s in servers.items()}
+    options = [
+        ("grpc.max_send_message_length", 8 << 20),
+        ("grpc.max_receive_message_length", 8 << 20),
+    ]
+    opened = {
+        name: grpc.insecure_channel(s.address, options=options) for name, s in servers.items()
+    }
     yield opened
     for channel in opened.values():
         channel.close()
@@ -130,6 +160,7 @@ def vocab_size(channels) -> int:
 
 
 # -- what is sent --------------------------------------------------------------------------
+
 
 def _png(width: int, height: int, mode: str = "RGB") -> bytes:
     """Mode "1" keeps a huge image cheap: 8000x8000 compresses to a few KB."""
@@ -167,19 +198,24 @@ def _chat(*parts: generate_pb2.ContentPart, role: str = "user") -> generate_pb2.
 
 
 def _image_chat(image: bytes) -> generate_pb2.GenerateRequest:
-    return _chat(generate_pb2.ContentPart(text="What is this?"),
-                 generate_pb2.ContentPart(image=image))
+    return _chat(
+        generate_pb2.ContentPart(text="What is this?"), generate_pb2.ContentPart(image=image)
+    )
 
 
 def _deep_schema(levels: int) -> str:
-    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + \
-        '}, "required": ["a"]}' * levels
+    return (
+        '{"type": "object", "properties": {"a": ' * levels
+        + '{"type": "string"}'
+        + '}, "required": ["a"]}' * levels
+    )
 
 
 def _sg_params(**fields) -> sg.SamplingParams:
     """The gateway's SamplingParams as the gateway sends them (every number set)."""
-    return sg.SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0,
-                                **fields})
+    return sg.SamplingParams(
+        **{"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, **fields}
+    )
 
 
 def _structured(**kind) -> common_pb2.StructuredOutput:
@@ -197,7 +233,7 @@ class Case:
     code: grpc.StatusCode | None = INVALID
     words: str = ""
     server: str = "text"
-    rpc: str = "Generate"         # Generate, Abort, GetStats, SglangGenerate, or "raw ..."
+    rpc: str = "Generate"  # Generate, Abort, GetStats, SglangGenerate, or "raw ..."
     served: Callable[[list], None] | None = None
 
 
@@ -223,146 +259,320 @@ CASES = [
     Case("no input", lambda V: generate_pb2.GenerateRequest(), words="input: set one of"),
     Case("empty text", lambda V: _text(""), words="text: the prompt must not be empty"),
     Case("empty token ids", lambda V: _tokens([]), words="token_ids: the prompt must not be"),
-    Case("empty chat", lambda V: generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages()),
-         words="chat.messages must not be empty"),
-    Case("chat without a role", lambda V: _chat(generate_pb2.ContentPart(text="hi"), role=""),
-         words="chat.messages[0].role"),
-    Case("chat part unset", lambda V: _chat(generate_pb2.ContentPart()),
-         words="chat.messages[0].content[0]: set text or image"),
-    Case("text past max_prompt_bytes", lambda V: _text("a" * 300_000),
-         words="more than max_prompt_bytes="),
-    Case("token ids past max_model_len", lambda V: _tokens([5] * (MAX_MODEL_LEN + 1)),
-         words=f"token_ids: the prompt has {MAX_MODEL_LEN + 1} tokens"),
+    Case(
+        "empty chat",
+        lambda V: generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages()),
+        words="chat.messages must not be empty",
+    ),
+    Case(
+        "chat without a role",
+        lambda V: _chat(generate_pb2.ContentPart(text="hi"), role=""),
+        words="chat.messages[0].role",
+    ),
+    Case(
+        "chat part unset",
+        lambda V: _chat(generate_pb2.ContentPart()),
+        words="chat.messages[0].content[0]: set text or image",
+    ),
+    Case(
+        "text past max_prompt_bytes",
+        lambda V: _text("a" * 300_000),
+        words="more than max_prompt_bytes=",
+    ),
+    Case(
+        "token ids past max_model_len",
+        lambda V: _tokens([5] * (MAX_MODEL_LEN + 1)),
+        words=f"token_ids: the prompt has {MAX_MODEL_LEN + 1} tokens",
+    ),
     Case("negative token id", lambda V: _tokens([5, -1]), words="prompt_token_ids: token id -1"),
-    Case("token id past the vocabulary", lambda V: _tokens([5, V]),
-         words="prompt_token_ids: token id"),
-    Case("only special tokens", lambda V: _text("<|im_start|><|im_end|>", max_tokens=2,
-                                                 ignore_eos=True),
-         code=None, served=lambda r: _length(r, 2)),
-    Case("images to a text-only model", lambda V: generate_pb2.GenerateRequest(
-        text="hi", images=[_png(8, 8)]), words="images: model"),
-    Case("chat image to a text-only model", lambda V: _image_chat(_png(8, 8)),
-         words="images: model"),
-    Case("empty request id", lambda V: generate_pb2.GenerateRequest(request_id="", text="hi"),
-         words="request_id must not be empty"),
+    Case(
+        "token id past the vocabulary",
+        lambda V: _tokens([5, V]),
+        words="prompt_token_ids: token id",
+    ),
+    Case(
+        "only special tokens",
+        lambda V: _text("<|im_start|><|im_end|>", max_tokens=2, ignore_eos=True),
+        code=None,
+        served=lambda r: _length(r, 2),
+    ),
+    Case(
+        "images to a text-only model",
+        lambda V: generate_pb2.GenerateRequest(text="hi", images=[_png(8, 8)]),
+        words="images: model",
+    ),
+    Case(
+        "chat image to a text-only model", lambda V: _image_chat(_png(8, 8)), words="images: model"
+    ),
+    Case(
+        "empty request id",
+        lambda V: generate_pb2.GenerateRequest(request_id="", text="hi"),
+        words="request_id must not be empty",
+    ),
     # Every sampling field.
     Case("max_tokens 0", lambda V: _text(max_tokens=0), words=SP + "max_tokens must be >= 1"),
-    Case("max_tokens 10^9 is clamped", lambda V: _text(max_tokens=10**9, ignore_eos=True),
-         code=None, served=_clamped),
-    Case("min_tokens > max_tokens", lambda V: _text(max_tokens=2, min_tokens=5),
-         words=SP + "min_tokens must be <= max_tokens"),
+    Case(
+        "max_tokens 10^9 is clamped",
+        lambda V: _text(max_tokens=10**9, ignore_eos=True),
+        code=None,
+        served=_clamped,
+    ),
+    Case(
+        "min_tokens > max_tokens",
+        lambda V: _text(max_tokens=2, min_tokens=5),
+        words=SP + "min_tokens must be <= max_tokens",
+    ),
     Case("temperature -1", lambda V: _text(temperature=-1.0), words=SP + "temperature"),
-    Case("temperature inf", lambda V: _text(temperature=float("inf")),
-         words=SP + "temperature must be a finite number"),
-    Case("temperature nan", lambda V: _text(temperature=float("nan")),
-         words=SP + "temperature must be a finite number"),
+    Case(
+        "temperature inf",
+        lambda V: _text(temperature=float("inf")),
+        words=SP + "temperature must be a finite number",
+    ),
+    Case(
+        "temperature nan",
+        lambda V: _text(temperature=float("nan")),
+        words=SP + "temperature must be a finite number",
+    ),
     Case("top_p 0", lambda V: _text(top_p=0.0), words=SP + "top_p must be in (0, 1]"),
     Case("top_p 1.5", lambda V: _text(top_p=1.5), words=SP + "top_p must be in (0, 1]"),
     Case("top_k -2", lambda V: _text(top_k=-2), words=SP + "top_k must be >= -1"),
     Case("min_p 1.5", lambda V: _text(min_p=1.5), words=SP + "min_p must be in [0, 1]"),
     Case("seed -1", lambda V: _text(seed=-1), words=SP + "seed must be >= 0"),
-    Case("stop token past the vocabulary", lambda V: _text(stop_token_ids=[V]),
-         words=SP + "stop_token_ids: token id"),
-    Case("negative stop token", lambda V: _text(stop_token_ids=[-1]),
-         words=SP + "stop_token_ids must be >= 0"),
-    Case("logprobs past max_logprobs", lambda V: _text(logprobs=MAX_LOGPROBS + 1),
-         words=SP + f"logprobs must be <= max_logprobs ({MAX_LOGPROBS}"),
-    Case("logprobs past the vocabulary", lambda V: _text(logprobs=V + 1),
-         words=SP + "logprobs must be <= the vocabulary size"),
+    Case(
+        "stop token past the vocabulary",
+        lambda V: _text(stop_token_ids=[V]),
+        words=SP + "stop_token_ids: token id",
+    ),
+    Case(
+        "negative stop token",
+        lambda V: _text(stop_token_ids=[-1]),
+        words=SP + "stop_token_ids must be >= 0",
+    ),
+    Case(
+        "logprobs past max_logprobs",
+        lambda V: _text(logprobs=MAX_LOGPROBS + 1),
+        words=SP + f"logprobs must be <= max_logprobs ({MAX_LOGPROBS}",
+    ),
+    Case(
+        "logprobs past the vocabulary",
+        lambda V: _text(logprobs=V + 1),
+        words=SP + "logprobs must be <= the vocabulary size",
+    ),
     Case("negative logprobs", lambda V: _text(logprobs=-1), words=SP + "logprobs must be >= 0"),
-    Case("prompt_logprobs past the vocabulary", lambda V: _text(prompt_logprobs=V + 1),
-         words=SP + "prompt_logprobs must be <="),
-    Case("repetition_penalty 0", lambda V: _text(repetition_penalty=0.0),
-         words=SP + "repetition_penalty must be in (0"),
-    Case("frequency_penalty 3", lambda V: _text(frequency_penalty=3.0),
-         words=SP + "frequency_penalty must be in [-2, 2]"),
-    Case("presence_penalty -3", lambda V: _text(presence_penalty=-3.0),
-         words=SP + "presence_penalty must be in [-2, 2]"),
-    Case("logit_bias token past the vocabulary", lambda V: _text(logit_bias={V: 1.0}),
-         words=SP + "logit_bias: token id"),
-    Case("logit_bias 1000", lambda V: _text(logit_bias={3: 1000.0}),
-         words=SP + "logit_bias[3] must be in [-100.0, 100.0]"),
-    Case("allowed token past the vocabulary", lambda V: _text(allowed_token_ids=[3, V]),
-         words=SP + "allowed_token_ids: token id"),
+    Case(
+        "prompt_logprobs past the vocabulary",
+        lambda V: _text(prompt_logprobs=V + 1),
+        words=SP + "prompt_logprobs must be <=",
+    ),
+    Case(
+        "repetition_penalty 0",
+        lambda V: _text(repetition_penalty=0.0),
+        words=SP + "repetition_penalty must be in (0",
+    ),
+    Case(
+        "frequency_penalty 3",
+        lambda V: _text(frequency_penalty=3.0),
+        words=SP + "frequency_penalty must be in [-2, 2]",
+    ),
+    Case(
+        "presence_penalty -3",
+        lambda V: _text(presence_penalty=-3.0),
+        words=SP + "presence_penalty must be in [-2, 2]",
+    ),
+    Case(
+        "logit_bias token past the vocabulary",
+        lambda V: _text(logit_bias={V: 1.0}),
+        words=SP + "logit_bias: token id",
+    ),
+    Case(
+        "logit_bias 1000",
+        lambda V: _text(logit_bias={3: 1000.0}),
+        words=SP + "logit_bias[3] must be in [-100.0, 100.0]",
+    ),
+    Case(
+        "allowed token past the vocabulary",
+        lambda V: _text(allowed_token_ids=[3, V]),
+        words=SP + "allowed_token_ids: token id",
+    ),
     Case("empty bad word", lambda V: _text(bad_words=[""]), words=SP + "bad_words[0] must be"),
-    Case("empty bad word ids", lambda V: _text(bad_words_token_ids=[[]]),
-         words=SP + "bad_words_token_ids[0] must not be empty"),
-    Case("bad word id past the vocabulary", lambda V: _text(bad_words_token_ids=[[3, V]]),
-         words=SP + "bad_words_token_ids[0]: token id"),
+    Case(
+        "empty bad word ids",
+        lambda V: _text(bad_words_token_ids=[[]]),
+        words=SP + "bad_words_token_ids[0] must not be empty",
+    ),
+    Case(
+        "bad word id past the vocabulary",
+        lambda V: _text(bad_words_token_ids=[[3, V]]),
+        words=SP + "bad_words_token_ids[0]: token id",
+    ),
     Case("n 0", lambda V: _text(n=0), words=SP + "n must be >= 1"),
     Case("n 1000", lambda V: _text(n=1000), words=SP + "n must be <= 128"),
-    Case("truncate_prompt_tokens 0", lambda V: _text(truncate_prompt_tokens=0),
-         words=SP + "truncate_prompt_tokens must be >= 1"),
+    Case(
+        "truncate_prompt_tokens 0",
+        lambda V: _text(truncate_prompt_tokens=0),
+        words=SP + "truncate_prompt_tokens must be >= 1",
+    ),
     Case("empty stop string", lambda V: _text(stop=[""]), words=SP + "stop[0] must be"),
     # Structured output.
-    Case("structured with no kind", lambda V: _text(structured=_structured()),
-         words=SP + "structured: set one of"),
-    Case("json_schema not JSON", lambda V: _text(structured=_structured(json_schema="{nope")),
-         words=SP + "structured.json_schema is not valid JSON"),
-    Case("json_schema 200 levels deep", lambda V: _text(
-        structured=_structured(json_schema=_deep_schema(200))),
-         words=SP + "structured.json_schema: nested 401 levels deep, more than 64"),
-    Case("regex that does not parse", lambda V: _text(structured=_structured(regex="(ab")),
-         words=SP + "structured.regex"),
-    Case("grammar that does not parse", lambda V: _text(
-        structured=_structured(grammar="root ::= ")), words=SP + "structured.grammar"),
-    Case("empty choice", lambda V: _text(structured=_structured(choice=common_pb2.ChoiceList())),
-         words=SP + "structured.choice must be a non-empty list"),
-    Case("stop token past the vocabulary with a grammar", lambda V: _text(
-        stop_token_ids=[V], structured=_structured(regex="[ab]+")),
-         words=SP + "stop_token_ids: token id"),
-    Case("catastrophic-backtracking regex", lambda V: _text(
-        max_tokens=8, structured=_structured(regex="(a+)+$")), code=None, served=_only_as),
+    Case(
+        "structured with no kind",
+        lambda V: _text(structured=_structured()),
+        words=SP + "structured: set one of",
+    ),
+    Case(
+        "json_schema not JSON",
+        lambda V: _text(structured=_structured(json_schema="{nope")),
+        words=SP + "structured.json_schema is not valid JSON",
+    ),
+    Case(
+        "json_schema 200 levels deep",
+        lambda V: _text(structured=_structured(json_schema=_deep_schema(200))),
+        words=SP + "structured.json_schema: nested 401 levels deep, more than 64",
+    ),
+    Case(
+        "regex that does not parse",
+        lambda V: _text(structured=_structured(regex="(ab")),
+        words=SP + "structured.regex",
+    ),
+    Case(
+        "grammar that does not parse",
+        lambda V: _text(structured=_structured(grammar="root ::= ")),
+        words=SP + "structured.grammar",
+    ),
+    Case(
+        "empty choice",
+        lambda V: _text(structured=_structured(choice=common_pb2.ChoiceList())),
+        words=SP + "structured.choice must be a non-empty list",
+    ),
+    Case(
+        "stop token past the vocabulary with a grammar",
+        lambda V: _text(stop_token_ids=[V], structured=_structured(regex="[ab]+")),
+        words=SP + "stop_token_ids: token id",
+    ),
+    Case(
+        "catastrophic-backtracking regex",
+        lambda V: _text(max_tokens=8, structured=_structured(regex="(a+)+$")),
+        code=None,
+        served=_only_as,
+    ),
     # The message itself.
-    Case("message past the receive limit", lambda V: _text("b" * (MAX_MESSAGE_SIZE + 1000)),
-         code=grpc.StatusCode.RESOURCE_EXHAUSTED, words="larger than max"),
-    Case("invalid UTF-8 in text", lambda V: b"\x12\x04ok\xc3\x28", rpc="raw Generate",
-         words="text: not valid UTF-8"),
-    Case("invalid UTF-8 in a chat message", lambda V: _chat(generate_pb2.ContentPart(
-        text="MARK")).SerializeToString().replace(b"MARK", b"\xff\xfe\xfd\xfc"),
-         rpc="raw Generate", words="chat.messages[0].content[0].text: not valid UTF-8"),
-    Case("corrupt protobuf", lambda V: b"\x0a\xff\xff\xff\xff\x0f garbage", rpc="raw Generate",
-         words="not a valid tokenbudget.v1.GenerateRequest message"),
-    Case("corrupt protobuf to GetStats", lambda V: b"\xff", rpc="raw GetStats",
-         words="not a valid tokenbudget.v1.GetStatsRequest message"),
-    Case("abort of an unknown request id", lambda V: generate_pb2.AbortRequest(
-        request_id="no-such-request"), rpc="Abort", code=grpc.StatusCode.NOT_FOUND,
-         words="request_id 'no-such-request' is not a live request"),
+    Case(
+        "message past the receive limit",
+        lambda V: _text("b" * (MAX_MESSAGE_SIZE + 1000)),
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        words="larger than max",
+    ),
+    Case(
+        "invalid UTF-8 in text",
+        lambda V: b"\x12\x04ok\xc3\x28",
+        rpc="raw Generate",
+        words="text: not valid UTF-8",
+    ),
+    Case(
+        "invalid UTF-8 in a chat message",
+        lambda V: (
+            _chat(generate_pb2.ContentPart(text="MARK"))
+            .SerializeToString()
+            .replace(b"MARK", b"\xff\xfe\xfd\xfc")
+        ),
+        rpc="raw Generate",
+        words="chat.messages[0].content[0].text: not valid UTF-8",
+    ),
+    Case(
+        "corrupt protobuf",
+        lambda V: b"\x0a\xff\xff\xff\xff\x0f garbage",
+        rpc="raw Generate",
+        words="not a valid tokenbudget.v1.GenerateRequest message",
+    ),
+    Case(
+        "corrupt protobuf to GetStats",
+        lambda V: b"\xff",
+        rpc="raw GetStats",
+        words="not a valid tokenbudget.v1.GetStatsRequest message",
+    ),
+    Case(
+        "abort of an unknown request id",
+        lambda V: generate_pb2.AbortRequest(request_id="no-such-request"),
+        rpc="Abort",
+        code=grpc.StatusCode.NOT_FOUND,
+        words="request_id 'no-such-request' is not a live request",
+    ),
     # The SGLang gateway's protocol (in-band errors: a status makes the gateway retry).
-    Case("gateway: empty input ids", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput(), sampling_params=_sg_params()), rpc="SglangGenerate",
-         words="tokenized.input_ids: the prompt must not be empty"),
-    Case("gateway: input ids past the context", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput(input_ids=[5] * (MAX_MODEL_LEN + 1)),
-        sampling_params=_sg_params()), rpc="SglangGenerate",
-         words=f"tokenized.input_ids: the prompt has {MAX_MODEL_LEN + 1} tokens"),
-    Case("gateway: images", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput(input_ids=[5]),
-        mm_inputs=sg.MultimodalInputs(image_data=[_png(8, 8)]), sampling_params=_sg_params()),
-         rpc="SglangGenerate",
-         words="mm_inputs: multimodal inputs are not supported"),
-    Case("gateway: max_new_tokens 0", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput(input_ids=[5]),
-        sampling_params=_sg_params(max_new_tokens=0)), rpc="SglangGenerate",
-         words="sampling_params.max_new_tokens must be >= 1"),
-    Case("gateway: stop token past the vocabulary", lambda V: sg.GenerateRequest(
-        tokenized=sg.TokenizedInput(input_ids=[5]),
-        sampling_params=_sg_params(stop_token_ids=[V])), rpc="SglangGenerate",
-         words="stop_token_ids: token id"),
-    Case("gateway: corrupt protobuf", lambda V: b"\x12\xff\xff", rpc="raw SglangGenerate",
-         words="not a valid sglang.grpc.scheduler.GenerateRequest message"),
+    Case(
+        "gateway: empty input ids",
+        lambda V: sg.GenerateRequest(tokenized=sg.TokenizedInput(), sampling_params=_sg_params()),
+        rpc="SglangGenerate",
+        words="tokenized.input_ids: the prompt must not be empty",
+    ),
+    Case(
+        "gateway: input ids past the context",
+        lambda V: sg.GenerateRequest(
+            tokenized=sg.TokenizedInput(input_ids=[5] * (MAX_MODEL_LEN + 1)),
+            sampling_params=_sg_params(),
+        ),
+        rpc="SglangGenerate",
+        words=f"tokenized.input_ids: the prompt has {MAX_MODEL_LEN + 1} tokens",
+    ),
+    Case(
+        "gateway: images",
+        lambda V: sg.GenerateRequest(
+            tokenized=sg.TokenizedInput(input_ids=[5]),
+            mm_inputs=sg.MultimodalInputs(image_data=[_png(8, 8)]),
+            sampling_params=_sg_params(),
+        ),
+        rpc="SglangGenerate",
+        words="mm_inputs: multimodal inputs are not supported",
+    ),
+    Case(
+        "gateway: max_new_tokens 0",
+        lambda V: sg.GenerateRequest(
+            tokenized=sg.TokenizedInput(input_ids=[5]), sampling_params=_sg_params(max_new_tokens=0)
+        ),
+        rpc="SglangGenerate",
+        words="sampling_params.max_new_tokens must be >= 1",
+    ),
+    Case(
+        "gateway: stop token past the vocabulary",
+        lambda V: sg.GenerateRequest(
+            tokenized=sg.TokenizedInput(input_ids=[5]),
+            sampling_params=_sg_params(stop_token_ids=[V]),
+        ),
+        rpc="SglangGenerate",
+        words="stop_token_ids: token id",
+    ),
+    Case(
+        "gateway: corrupt protobuf",
+        lambda V: b"\x12\xff\xff",
+        rpc="raw SglangGenerate",
+        words="not a valid sglang.grpc.scheduler.GenerateRequest message",
+    ),
     # Images (the vision-language server).
-    Case("not an image", lambda V: _image_chat(b"\x89PNG but not really"), server="vl",
-         words="messages[0].content[1].image: cannot decode"),
-    Case("8000x8000 image", lambda V: _image_chat(_png(8000, 8000, mode="1")), server="vl",
-         words="messages[0].content[1].image: the image is 8000x8000 = 64000000 pixels, more "
-               "than max_image_pixels=16777216"),
-    Case("1x1 image", lambda V: _with_params(_image_chat(_png(1, 1)), max_tokens=2,
-                                             ignore_eos=True),
-         server="vl", code=None, served=lambda r: _length(r, 2)),
-    Case("image without a placeholder", lambda V: generate_pb2.GenerateRequest(
-        text="no placeholder here", images=[_png(8, 8)]), server="vl",
-         words="prompt: 1 image(s) but the prompt has 0"),
+    Case(
+        "not an image",
+        lambda V: _image_chat(b"\x89PNG but not really"),
+        server="vl",
+        words="messages[0].content[1].image: cannot decode",
+    ),
+    Case(
+        "8000x8000 image",
+        lambda V: _image_chat(_png(8000, 8000, mode="1")),
+        server="vl",
+        words="messages[0].content[1].image: the image is 8000x8000 = 64000000 pixels, more "
+        "than max_image_pixels=16777216",
+    ),
+    Case(
+        "1x1 image",
+        lambda V: _with_params(_image_chat(_png(1, 1)), max_tokens=2, ignore_eos=True),
+        server="vl",
+        code=None,
+        served=lambda r: _length(r, 2),
+    ),
+    Case(
+        "image without a placeholder",
+        lambda V: generate_pb2.GenerateRequest(text="no placeholder here", images=[_png(8, 8)]),
+        server="vl",
+        words="prompt: 1 image(s) but the prompt has 0",
+    ),
 ]
 
 
@@ -374,16 +584,21 @@ def _with_params(request: generate_pb2.GenerateRequest, **params) -> generate_pb
 
 def _call(channel: grpc.Channel, case: Case, message) -> tuple[grpc.StatusCode, str, list]:
     """(status code, details or in-band error message, responses)."""
+
     def identity(b: bytes) -> bytes:
         return b
 
     if case.rpc.startswith("raw "):
         method = case.rpc[4:]
-        path = ("/sglang.grpc.scheduler.SglangScheduler/Generate" if method == "SglangGenerate"
-                else f"/tokenbudget.v1.Generation/{method}")
+        path = (
+            "/sglang.grpc.scheduler.SglangScheduler/Generate"
+            if method == "SglangGenerate"
+            else f"/tokenbudget.v1.Generation/{method}"
+        )
         streaming = method.endswith("Generate")
         call = (channel.unary_stream if streaming else channel.unary_unary)(
-            path, request_serializer=identity, response_deserializer=identity)
+            path, request_serializer=identity, response_deserializer=identity
+        )
     elif case.rpc == "SglangGenerate":
         call = sg_grpc.SglangSchedulerStub(channel).Generate
         streaming = True
@@ -391,12 +606,16 @@ def _call(channel: grpc.Channel, case: Case, message) -> tuple[grpc.StatusCode, 
         call = getattr(generate_pb2_grpc.GenerationStub(channel), case.rpc)
         streaming = case.rpc == "Generate"
     try:
-        responses = list(call(message, timeout=TIMEOUT)) if streaming else \
-            [call(message, timeout=TIMEOUT)]
+        responses = (
+            list(call(message, timeout=TIMEOUT)) if streaming else [call(message, timeout=TIMEOUT)]
+        )
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or "", []
-    errors = [r.error.message for r in responses if case.rpc == "SglangGenerate" and
-              r.WhichOneof("response") == "error"]
+    errors = [
+        r.error.message
+        for r in responses
+        if case.rpc == "SglangGenerate" and r.WhichOneof("response") == "error"
+    ]
     return grpc.StatusCode.OK, errors[0] if errors else "", responses
 
 
@@ -447,8 +666,11 @@ def test_the_servers_still_serve_with_nothing_left_running(channels, vocab_size)
         deadline = time.monotonic() + 10
         while True:
             stats = stub.GetStats(generate_pb2.GetStatsRequest(), timeout=TIMEOUT)
-            idle = (stats.num_running, stats.num_waiting, stats.num_requests) == (0, 0, 0) and \
-                stats.num_free_blocks == stats.num_total_blocks
+            idle = (stats.num_running, stats.num_waiting, stats.num_requests) == (
+                0,
+                0,
+                0,
+            ) and stats.num_free_blocks == stats.num_total_blocks
             if idle or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -6,6 +6,7 @@ cancelled at once; tenants' prefix caches kept apart by cache_salt; and, last
 
 After each fault the server has no request left and every KV block free.
 """
+
 from __future__ import annotations
 
 import signal
@@ -17,11 +18,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tokenbudget.proto import generate_pb2, generate_pb2_grpc
+from tokenbudget.proto import generate_pb2
 from tokenbudget.server.entrypoints.client import Client
 
-from .conftest import (API_KEY, MAX_QUEUED, MAX_RPCS, MAX_SEQS, assert_idle, health,
-                       wait_idle)
+from .conftest import API_KEY, MAX_QUEUED, MAX_RPCS, MAX_SEQS, assert_idle, health, wait_idle
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LONG = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
@@ -43,8 +43,12 @@ def test_server_metrics_and_worker_listen_on_loopback_unless_told_otherwise():
 @pytest.mark.parametrize("api_key", [None, "wrong-key"], ids=["no key", "wrong key"])
 def test_a_missing_or_wrong_api_key_is_unauthenticated_but_health_stays_open(faults, api_key):
     with faults.public_client(api_key=api_key) as c:
-        for call in (lambda: c.generate("hi", max_tokens=2), c.model_info, c.stats,
-                     lambda: c.abort("someone-elses-id")):
+        for call in (
+            lambda: c.generate("hi", max_tokens=2),
+            c.model_info,
+            c.stats,
+            lambda: c.abort("someone-elses-id"),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -58,9 +62,12 @@ def test_a_missing_or_wrong_api_key_is_unauthenticated_but_health_stays_open(fau
 def test_mutual_tls_refuses_a_client_without_a_certificate_and_plaintext(faults):
     if faults.tls is None:
         pytest.skip("openssl is not on PATH: no certificates to serve TLS with")
-    for client in (Client(faults.public.address, api_key=API_KEY,
-                          root_certificates=faults.tls.ca),   # TLS, but no client certificate
-                   Client(faults.public.address, api_key=API_KEY)):  # plaintext
+    for client in (
+        Client(
+            faults.public.address, api_key=API_KEY, root_certificates=faults.tls.ca
+        ),  # TLS, but no client certificate
+        Client(faults.public.address, api_key=API_KEY),
+    ):  # plaintext
         with client, pytest.raises(grpc.RpcError) as err:
             client.model_info()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -71,8 +78,10 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_and_plaintext(faults)
 # -- limits --------------------------------------------------------------------------------
 def _open_streams(c: Client, count: int, **sampling) -> list:
     """``count`` generation calls, sent (the server may not have them yet)."""
-    return [c.stub.Generate(_request(f"flood {i}", **sampling), metadata=c.metadata)
-            for i in range(count)]
+    return [
+        c.stub.Generate(_request(f"flood {i}", **sampling), metadata=c.metadata)
+        for i in range(count)
+    ]
 
 
 def _request(prompt: str, **sampling) -> generate_pb2.GenerateRequest:
@@ -84,11 +93,13 @@ def _request(prompt: str, **sampling) -> generate_pb2.GenerateRequest:
 
 def _refusals(c: Client, n: int) -> list[tuple[grpc.StatusCode, str, float]]:
     """Send ``n`` generations at once; each one's status, details and seconds taken."""
+
     def one(i: int):
         start = time.monotonic()
         try:
-            for _ in c.stub.Generate(_request(f"extra {i}", **LONG), metadata=c.metadata,
-                                     timeout=30):
+            for _ in c.stub.Generate(
+                _request(f"extra {i}", **LONG), metadata=c.metadata, timeout=30
+            ):
                 pass
             return grpc.StatusCode.OK, "", time.monotonic() - start
         except grpc.RpcError as e:
@@ -171,9 +182,13 @@ def test_sigterm_mid_stream_finishes_every_stream_then_exits_0(faults):
     n, max_tokens = 8, 120  # long enough to be mid-stream at the signal
     results: list = []
     with faults.public_client() as c:
-        calls = [c.stub.Generate(_request(f"drain {i}", max_tokens=max_tokens, temperature=0,
-                                          ignore_eos=True), metadata=c.metadata)
-                 for i in range(n)]
+        calls = [
+            c.stub.Generate(
+                _request(f"drain {i}", max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                metadata=c.metadata,
+            )
+            for i in range(n)
+        ]
         firsts = [next(call) for call in calls]  # every stream is mid-way
 
         def finish(call, first) -> None:

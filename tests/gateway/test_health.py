@@ -1,5 +1,6 @@
 """SglangScheduler.HealthCheck, which the gateway polls: not healthy while the
 server is starting or draining, so the gateway routes elsewhere."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,9 @@ def test_health_is_starting_until_ready_then_serving_then_draining(tiny_model):
     from tokenbudget.server.entrypoints.cli import build_engine, build_parser
     from tokenbudget.server.entrypoints.grpc.sglang import add_sglang_scheduler_servicer
 
-    args = build_parser().parse_args(["--model", tiny_model, "--port", "0",
-                                      "--num-gpu-blocks", "64"])
+    args = build_parser().parse_args(
+        ["--model", tiny_model, "--port", "0", "--num-gpu-blocks", "64"]
+    )
     engine = build_engine(args)
 
     async def run() -> list[tuple[bool, str]]:
@@ -44,8 +46,10 @@ def test_health_is_starting_until_ready_then_serving_then_draining(tiny_model):
                 await check()
                 # A draining replica refuses work with a status, so the gateway goes elsewhere.
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in stub.Generate(pb.GenerateRequest(
-                            tokenized=pb.TokenizedInput(input_ids=[1, 2, 3])), timeout=10):
+                    async for _ in stub.Generate(
+                        pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2, 3])),
+                        timeout=10,
+                    ):
                         pass
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         finally:
@@ -56,8 +60,11 @@ def test_health_is_starting_until_ready_then_serving_then_draining(tiny_model):
         seen = asyncio.run(run())
     finally:
         engine.shutdown()
-    assert seen == [(False, "starting"), (True, "serving"),
-                    (False, "draining: the server is shutting down")]
+    assert seen == [
+        (False, "starting"),
+        (True, "serving"),
+        (False, "draining: the server is shutting down"),
+    ]
 
 
 def test_sigterm_makes_health_report_draining_while_requests_finish(cluster):

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP through the real gateway: the same tokens as our own
 gRPC API, usage, max_tokens, stop strings, n, and the KV freed when an HTTP
 client goes away mid-stream."""
+
 from __future__ import annotations
 
 import http.client
@@ -15,9 +16,10 @@ from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 
-
-MESSAGES = [{"role": "system", "content": "You answer briefly."},
-            {"role": "user", "content": "Name three colours of the rainbow."}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
 
 
 def ascii_part(text: str) -> str:
@@ -36,8 +38,10 @@ def wait_all_free(clients, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = {name: c.stats() for name, c in clients.items()}
-        if all(s.num_running == 0 and s.num_waiting == 0 and
-               s.num_free_blocks == s.num_total_blocks for s in stats.values()):
+        if all(
+            s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
+            for s in stats.values()
+        ):
             return
         assert time.monotonic() < deadline, f"KV not freed within {timeout}s: {stats}"
         time.sleep(0.05)
@@ -45,8 +49,10 @@ def wait_all_free(clients, timeout: float = 10.0) -> None:
 
 def test_chat_completion_is_the_clients_greedy_text_with_its_usage(cluster, clients):
     gw = cluster.gateway
-    status, body = gw.post("/v1/chat/completions", {
-        "model": gw.model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0})
+    status, body = gw.post(
+        "/v1/chat/completions",
+        {"model": gw.model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0},
+    )
     assert status == 200, body
     want = clients["r1"].generate({"messages": MESSAGES}, greedy(12))
     choice = body["choices"][0]
@@ -58,9 +64,16 @@ def test_chat_completion_is_the_clients_greedy_text_with_its_usage(cluster, clie
 
 def test_streamed_chat_completion_joins_to_the_same_text_then_usage(cluster, clients):
     gw = cluster.gateway
-    events = gw.stream("/v1/chat/completions", {
-        "model": gw.model, "messages": MESSAGES, "max_tokens": 10, "temperature": 0,
-        "stream_options": {"include_usage": True}})
+    events = gw.stream(
+        "/v1/chat/completions",
+        {
+            "model": gw.model,
+            "messages": MESSAGES,
+            "max_tokens": 10,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        },
+    )
     want = clients["r1"].generate({"messages": MESSAGES}, greedy(10))
     text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
@@ -74,8 +87,11 @@ def test_streamed_chat_completion_joins_to_the_same_text_then_usage(cluster, cli
 @pytest.mark.parametrize("stream", [False, True])
 def test_generate_returns_the_clients_greedy_token_ids(cluster, clients, stream):
     gw = cluster.gateway
-    body = {"model": gw.model, "text": "The quick brown fox",
-            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "model": gw.model,
+        "text": "The quick brown fox",
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+    }
     want = clients["r2"].generate("The quick brown fox", greedy(16, ignore_eos=True))
     if stream:
         events = gw.stream("/generate", body)
@@ -93,9 +109,14 @@ def test_generate_returns_the_clients_greedy_token_ids(cluster, clients, stream)
 
 def test_the_engine_enforces_max_tokens(cluster, clients):
     gw = cluster.gateway
-    status, out = gw.post("/generate", {
-        "model": gw.model, "text": "count", "sampling_params": {
-            "max_new_tokens": 7, "temperature": 0.8, "ignore_eos": True}})
+    status, out = gw.post(
+        "/generate",
+        {
+            "model": gw.model,
+            "text": "count",
+            "sampling_params": {"max_new_tokens": 7, "temperature": 0.8, "ignore_eos": True},
+        },
+    )
     assert status == 200, out
     assert len(out[0]["output_ids"]) == 7 and out[0]["meta_info"]["completion_tokens"] == 7
 
@@ -104,17 +125,28 @@ def test_a_stop_string_ends_the_text_and_the_engine_stops_there(cluster, clients
     gw = cluster.gateway
     # A stop string taken from the greedy continuation itself (ASCII letters), so it fires.
     full = clients["r1"].generate({"messages": MESSAGES}, greedy(24, ignore_eos=True))
-    start = next(i for i in range(len(full.text) // 3, len(full.text) - 2)
-                 if full.text[i:i + 3].isascii() and full.text[i:i + 3].isalpha())
-    stop = full.text[start:start + 3]
-    status, body = gw.post("/v1/chat/completions", {
-        "model": gw.model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
-        "stop": [stop]})
+    start = next(
+        i
+        for i in range(len(full.text) // 3, len(full.text) - 2)
+        if full.text[i : i + 3].isascii() and full.text[i : i + 3].isalpha()
+    )
+    stop = full.text[start : start + 3]
+    status, body = gw.post(
+        "/v1/chat/completions",
+        {
+            "model": gw.model,
+            "messages": MESSAGES,
+            "max_tokens": 24,
+            "temperature": 0,
+            "stop": [stop],
+        },
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop" and choice.get("matched_stop") == stop
-    assert ascii_part(choice["message"]["content"]) == \
-        ascii_part(full.text[:full.text.index(stop)])
+    assert ascii_part(choice["message"]["content"]) == ascii_part(
+        full.text[: full.text.index(stop)]
+    )
     # The engine stopped at the token that completed the stop string, not at max_tokens.
     want = clients["r1"].generate({"messages": MESSAGES}, greedy(24, stop=[stop]))
     assert body["usage"]["completion_tokens"] == len(want.token_ids) < 24
@@ -146,10 +178,19 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(cluster, clients):
     gw = cluster.gateway
     generated = sum(c.stats().num_generated_tokens for c in clients.values())
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
-    conn.request("POST", "/generate", json.dumps({
-        "model": gw.model, "text": "a long story " * 20, "stream": True,
-        "sampling_params": {"max_new_tokens": 3500, "ignore_eos": True, "temperature": 0}}),
-        {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/generate",
+        json.dumps(
+            {
+                "model": gw.model,
+                "text": "a long story " * 20,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 3500, "ignore_eos": True, "temperature": 0},
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     assert r.status == 200 and r.readline().startswith(b"data: ")
     assert sum(c.stats().num_running for c in clients.values()) == 1
@@ -163,14 +204,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(cluster, clients):
 def test_a_refused_field_is_named_and_the_replica_stays_in_rotation(cluster, clients):
     gw = cluster.gateway
     for _ in range(3):  # the gateway retries each; more tries than its breaker's threshold (10)
-        status, body = gw.post("/generate", {
-            "model": gw.model, "text": "hello", "sampling_params": {
-                "max_new_tokens": 4, "stop_token_ids": [10 ** 6]}})
+        status, body = gw.post(
+            "/generate",
+            {
+                "model": gw.model,
+                "text": "hello",
+                "sampling_params": {"max_new_tokens": 4, "stop_token_ids": [10**6]},
+            },
+        )
         assert status >= 400 and "stop_token_ids" in body["error"]["message"], body
     assert gw.healthy_workers() == {f"grpc://{cluster.r1.address}", f"grpc://{cluster.r2.address}"}
     for _ in range(2):
-        status, body = gw.post("/generate", {"model": gw.model, "text": "hello",
-                                             "sampling_params": {"max_new_tokens": 2}})
+        status, body = gw.post(
+            "/generate",
+            {"model": gw.model, "text": "hello", "sampling_params": {"max_new_tokens": 2}},
+        )
         assert status == 200, body
 
 

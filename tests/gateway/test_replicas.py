@@ -1,6 +1,7 @@
 """Many replicas behind the gateway: cache-aware routing keeps a prefix on the
 replica that holds it; a replica killed mid-request fails its requests with
 an error (no hang) and the survivor serves what comes next."""
+
 from __future__ import annotations
 
 import http.client
@@ -26,9 +27,14 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(cluster, clie
     cached: list[int] = []
 
     def ask(i: int) -> None:
-        status, out = gw.post("/generate", {"model": gw.model, "text": prefix(i) + " Hello.",
-                                            "sampling_params": {"max_new_tokens": 64,
-                                                                "ignore_eos": True}})
+        status, out = gw.post(
+            "/generate",
+            {
+                "model": gw.model,
+                "text": prefix(i) + " Hello.",
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True},
+            },
+        )
         assert status == 200, out
         first[i] = out[0]["meta_info"]["prompt_tokens"]
 
@@ -44,9 +50,14 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(cluster, clie
     assert all(c.stats().prefix_cache_queries > before[name] for name, c in clients.items())
     for round_ in range(2):
         for i in range(4):
-            status, out = gw.post("/generate", {
-                "model": gw.model, "text": prefix(i) + f" Question {round_}?",
-                "sampling_params": {"max_new_tokens": 2}})
+            status, out = gw.post(
+                "/generate",
+                {
+                    "model": gw.model,
+                    "text": prefix(i) + f" Question {round_}?",
+                    "sampling_params": {"max_new_tokens": 2},
+                },
+            )
             assert status == 200, out
             cached.append(out[0]["meta_info"]["cached_tokens"])
     # Each follow-up found its prefix's full blocks cached: it went where the prefix is.
@@ -58,8 +69,12 @@ def _stream_until_done(gw, body: dict, results: list, started: threading.Event) 
     """Stream a /generate request; record ("ok", n tokens) or ("error", what)."""
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
     try:
-        conn.request("POST", "/generate", json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/generate",
+            json.dumps({**body, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         r = conn.getresponse()
         if r.status != 200:
             results.append(("error", r.status))
@@ -86,8 +101,11 @@ def _stream_until_done(gw, body: dict, results: list, started: threading.Event) 
 def test_a_killed_replica_fails_its_requests_and_the_survivor_serves_new_ones(cluster):
     gw = cluster.kill_gateway
     victim = Client(cluster.victim.address)
-    body = {"model": gw.model, "text": "tell me everything",
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "model": gw.model,
+        "text": "tell me everything",
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0},
+    }
     results: list = []
     threads = []
     for _ in range(4):  # round_robin: two on each replica
@@ -108,9 +126,11 @@ def test_a_killed_replica_fails_its_requests_and_the_survivor_serves_new_ones(cl
     assert [n for kind, n in results if kind == "ok"] == [2000, 2000]
     # New requests: every one served (by the survivor; the dead one is retried past).
     for i in range(4):
-        status, out = gw.post("/generate", {"model": gw.model, "text": f"after {i}",
-                                            "sampling_params": {"max_new_tokens": 3}},
-                              timeout=60)
+        status, out = gw.post(
+            "/generate",
+            {"model": gw.model, "text": f"after {i}", "sampling_params": {"max_new_tokens": 3}},
+            timeout=60,
+        )
         assert status == 200 and len(out[0]["output_ids"]) == 3, out
     deadline = time.monotonic() + 30
     while gw.healthy_workers() != {f"grpc://{cluster.r1.address}"}:

@@ -3,6 +3,7 @@
 Process start-up (importing torch + transformers) dominates on a busy box, so
 every process the folder needs is launched at once, in parallel, and shared.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -51,8 +52,9 @@ class Proc:
 
 def spawn(name: str, argv: list[str]) -> Proc:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     p = Proc(name, proc)
 
     def pump() -> None:  # keep the pipe drained; note the bound port
@@ -70,13 +72,27 @@ def spawn(name: str, argv: list[str]) -> Proc:
 def spawn_server(name: str, model: str, *extra: str) -> Proc:
     # No --host: the servers and workers run with the default bind address,
     # which test_server.py checks is loopback only.
-    return spawn(name, [str(BIN / "server"), "--model", model,
-                        "--port", "0", "--torch-threads", "1", "--grpc-threads", "256", *extra])
+    return spawn(
+        name,
+        [
+            str(BIN / "server"),
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--torch-threads",
+            "1",
+            "--grpc-threads",
+            "256",
+            *extra,
+        ],
+    )
 
 
 def spawn_worker(name: str, port: int) -> Proc:
-    return spawn(name, [sys.executable, "-m", "tokenbudget.worker",
-                        "--port", str(port), "--threads", "1"])
+    return spawn(
+        name, [sys.executable, "-m", "tokenbudget.worker", "--port", str(port), "--threads", "1"]
+    )
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -94,7 +110,7 @@ def listening_addresses(port: int) -> set[str]:
             if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
                 continue
             raw = bytes.fromhex(hex_addr)
-            ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            ip = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
             found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
     return found
 
@@ -111,8 +127,10 @@ def wait_serving(address: str, timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -130,11 +148,11 @@ MAX_MESSAGE_SIZE = 1 << 20
 @dataclass
 class Cluster:
     model: str
-    local: Proc          # server with an in-process worker
-    remote: Proc         # server driving `worker`
+    local: Proc  # server with an in-process worker
+    remote: Proc  # server driving `worker`
     worker: Proc
-    spare: Proc          # a server the drain test may stop
-    metrics_port: int    # of `local`
+    spare: Proc  # a server the drain test may stop
+    metrics_port: int  # of `local`
 
 
 @pytest.fixture(scope="session")
@@ -151,10 +169,16 @@ def cluster(tiny_model) -> Cluster:
     metrics_port, worker_port = free_port(), free_port()
     procs = [
         spawn_worker("worker", worker_port),
-        spawn_server("server", tiny_model, "--max-message-size", str(MAX_MESSAGE_SIZE),
-                     "--metrics-port", str(metrics_port), *knobs),
-        spawn_server("remote-server", tiny_model, "--worker", f"127.0.0.1:{worker_port}",
-                     *knobs),
+        spawn_server(
+            "server",
+            tiny_model,
+            "--max-message-size",
+            str(MAX_MESSAGE_SIZE),
+            "--metrics-port",
+            str(metrics_port),
+            *knobs,
+        ),
+        spawn_server("remote-server", tiny_model, "--worker", f"127.0.0.1:{worker_port}", *knobs),
         spawn_server("spare-server", tiny_model, *knobs),
     ]
     try:
@@ -187,8 +211,12 @@ def oracle(tiny_model):
     from tokenbudget.server.entrypoints.llm import LLM
 
     torch.set_num_threads(1)
-    llm = LLM(tiny_model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_gpu_blocks=512,
-              async_scheduling=False)
+    llm = LLM(
+        tiny_model,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        num_gpu_blocks=512,
+        async_scheduling=False,
+    )
     yield llm
     llm.shutdown()
 
@@ -205,10 +233,12 @@ def vl_server(tiny_vl_model) -> Proc:
     from tokenbudget.worker.model_runner import ModelRunner
 
     if ModelRunner(tiny_vl_model, device="cpu").vision is None:
-        pytest.skip("the ModelRunner does not run vision-language models yet "
-                    "(ModelRunner.vision is None)")
-    p = spawn_server("vl-server", tiny_vl_model, "--max-num-batched-tokens",
-                     str(MAX_NUM_BATCHED_TOKENS))
+        pytest.skip(
+            "the ModelRunner does not run vision-language models yet (ModelRunner.vision is None)"
+        )
+    p = spawn_server(
+        "vl-server", tiny_vl_model, "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)
+    )
     try:
         p.wait_listening()
         wait_serving(p.address)
@@ -224,11 +254,29 @@ def faulty_remote(tiny_model) -> Proc:
     """A server driving a real worker process that fails any step sampling a
     request seeded 2989 (tests/grpc/faulty_worker.py)."""
     port = free_port()
-    worker = spawn("faulty-worker", [sys.executable, str(Path(__file__).with_name(
-        "faulty_worker.py")), "--host", "127.0.0.1", "--port", str(port), "--threads", "1"])
-    server = spawn_server("faulty-remote-server", tiny_model, "--worker", f"127.0.0.1:{port}",
-                          "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-                          "--num-gpu-blocks", "128")
+    worker = spawn(
+        "faulty-worker",
+        [
+            sys.executable,
+            str(Path(__file__).with_name("faulty_worker.py")),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+    )
+    server = spawn_server(
+        "faulty-remote-server",
+        tiny_model,
+        "--worker",
+        f"127.0.0.1:{port}",
+        "--max-num-batched-tokens",
+        str(MAX_NUM_BATCHED_TOKENS),
+        "--num-gpu-blocks",
+        "128",
+    )
     try:
         for p in (worker, server):
             p.wait_listening()

@@ -4,6 +4,7 @@ A step whose sampler sees a request seeded with FAULT_SEED raises as a logits
 processor would on parameters it cannot handle; the message names a source
 file, which must not reach the client. Everything else is the real worker.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,8 +18,9 @@ _from_params = sampler.SamplingMetadata.from_params.__func__
 
 def _faulty_from_params(cls, params, *args, **kwargs):
     if any(p.seed == FAULT_SEED for p in params):
-        raise RuntimeError(f"injected fault for seed {FAULT_SEED} in "
-                           "/opt/tokenbudget/worker/logits_processors.py")
+        raise RuntimeError(
+            f"injected fault for seed {FAULT_SEED} in /opt/tokenbudget/worker/logits_processors.py"
+        )
     return _from_params(cls, params, *args, **kwargs)
 
 

@@ -2,6 +2,7 @@
 processes (an in-process worker and a remote one), against transformers'
 hidden states pooled the same way (within 1e-5: float32 on CPU, the wire
 carries float32)."""
+
 from __future__ import annotations
 
 import threading
@@ -46,10 +47,10 @@ def close(got, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])
-@pytest.mark.parametrize("pooling_type,normalize", [("MEAN", False), ("CLS", True),
-                                                    ("LAST", None)])
-def test_embed_equals_transformers_pooled_hidden_states(cluster, hf_base, long_prompt, where,
-                                                        pooling_type, normalize):
+@pytest.mark.parametrize("pooling_type,normalize", [("MEAN", False), ("CLS", True), ("LAST", None)])
+def test_embed_equals_transformers_pooled_hidden_states(
+    cluster, hf_base, long_prompt, where, pooling_type, normalize
+):
     assert len(long_prompt) > 2 * MAX_NUM_BATCHED_TOKENS
     kwargs = {"pooling_type": pooling_type}
     if normalize is not None:
@@ -78,38 +79,49 @@ def test_embed_beside_streaming_generation(cluster, oracle, hf_base, long_prompt
 
     gen_prompts = [long_prompt[:40], long_prompt[50:90]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = [r.token_ids for r in oracle.generate(
-        [{"prompt_token_ids": p} for p in gen_prompts], greedy)]
+    expected = [
+        r.token_ids for r in oracle.generate([{"prompt_token_ids": p} for p in gen_prompts], greedy)
+    ]
     got_tokens: dict[int, list[int]] = {}
     got_vectors: dict[int, list[float]] = {}
     with Client(cluster.local.address) as c:
+
         def gen(i):
             got_tokens[i] = c.generate(gen_prompts[i], greedy).token_ids
 
         def emb(i):
-            got_vectors[i] = c.embed(long_prompt[i * 10:], pooling_type="MEAN",
-                                     normalize=False).embedding
-        threads = [threading.Thread(target=gen, args=(i,)) for i in range(2)] + \
-            [threading.Thread(target=emb, args=(i,)) for i in range(3)]
+            got_vectors[i] = c.embed(
+                long_prompt[i * 10 :], pooling_type="MEAN", normalize=False
+            ).embedding
+
+        threads = [threading.Thread(target=gen, args=(i,)) for i in range(2)] + [
+            threading.Thread(target=emb, args=(i,)) for i in range(3)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
     assert [got_tokens[i] for i in range(2)] == expected
     for i in range(3):
-        want = pooled(hf_base, long_prompt[i * 10:], "MEAN", False)
+        want = pooled(hf_base, long_prompt[i * 10 :], "MEAN", False)
         assert close(got_vectors[i], want) <= ATOL
 
 
-@pytest.mark.parametrize("fields,code,message", [
-    ({"token_ids": {"ids": [1, 2]}, "pooling_params": {"pooling_type": "MAX"}},
-     grpc.StatusCode.INVALID_ARGUMENT, "pooling_params.pooling_type must be one of"),
-    ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "text: the prompt must not be empty"),
-    ({}, grpc.StatusCode.INVALID_ARGUMENT, "input: set one of text or token_ids"),
-    ({"token_ids": {"ids": []}}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids: the prompt"),
-    ({"token_ids": {"ids": [5, 10 ** 7]}}, grpc.StatusCode.INVALID_ARGUMENT, "10000000"),
-    ({"request_id": "", "text": "hi"}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-])
+@pytest.mark.parametrize(
+    "fields,code,message",
+    [
+        (
+            {"token_ids": {"ids": [1, 2]}, "pooling_params": {"pooling_type": "MAX"}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "pooling_params.pooling_type must be one of",
+        ),
+        ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "text: the prompt must not be empty"),
+        ({}, grpc.StatusCode.INVALID_ARGUMENT, "input: set one of text or token_ids"),
+        ({"token_ids": {"ids": []}}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids: the prompt"),
+        ({"token_ids": {"ids": [5, 10**7]}}, grpc.StatusCode.INVALID_ARGUMENT, "10000000"),
+        ({"request_id": "", "text": "hi"}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ],
+)
 def test_bad_embed_requests_name_the_field(cluster, fields, code, message):
     with grpc.insecure_channel(cluster.local.address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
@@ -122,8 +134,12 @@ def test_bad_embed_requests_name_the_field(cluster, fields, code, message):
 def test_sglang_embed_serves_the_default_pooling(cluster, client, long_prompt):
     with grpc.insecure_channel(cluster.local.address) as ch:
         stub = sgl_grpc.SglangSchedulerStub(ch)
-        reply = stub.Embed(sgl.EmbedRequest(request_id="sgl-1", tokenized=sgl.TokenizedInput(
-            input_ids=long_prompt)), timeout=30)
+        reply = stub.Embed(
+            sgl.EmbedRequest(
+                request_id="sgl-1", tokenized=sgl.TokenizedInput(input_ids=long_prompt)
+            ),
+            timeout=30,
+        )
         bad = stub.Embed(sgl.EmbedRequest(request_id="sgl-2"), timeout=30)
     assert reply.WhichOneof("response") == "complete", reply
     ours = client.embed(long_prompt)

@@ -8,6 +8,7 @@ a worker that predates pooling does:
 * the gateway's GetModelInfo says ``is_generation=False`` for an embedding
   checkpoint (sentence-transformers Pooling module), as SGLang and vLLM do,
   and True otherwise, ``--pooler-config`` or not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,14 @@ REASON = "the worker does not support pooling requests"
 def _engine(model: str, pooler_config: PoolerConfig | None = None) -> AsyncEngine:
     from tokenbudget.server.engine.input_processor import InputProcessor
 
-    core = EngineCore(SchedulerConfig(max_num_batched_tokens=64, max_model_len=512),
-                      CacheConfig(block_size=16), FakeExecutor())
-    return AsyncEngine(core, InputProcessor.from_pretrained(model), model_name=model,
-                       pooler_config=pooler_config)
+    core = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=512),
+        CacheConfig(block_size=16),
+        FakeExecutor(),
+    )
+    return AsyncEngine(
+        core, InputProcessor.from_pretrained(model), model_name=model, pooler_config=pooler_config
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +71,32 @@ def _call(servicer: SglangSchedulerServicer, method: str, request):
 
 def test_gateway_embed_answers_501_in_band(sampling_only):
     _, engine = sampling_only
-    reply = _call(SglangSchedulerServicer(engine), "Embed", sgl.EmbedRequest(
-        request_id="sgl-unsupported", tokenized=sgl.TokenizedInput(input_ids=list(range(10, 50)))))
+    reply = _call(
+        SglangSchedulerServicer(engine),
+        "Embed",
+        sgl.EmbedRequest(
+            request_id="sgl-unsupported",
+            tokenized=sgl.TokenizedInput(input_ids=list(range(10, 50))),
+        ),
+    )
     assert reply.WhichOneof("response") == "error", reply
     assert reply.error.code == "501"
     assert REASON in reply.error.message
     assert _no_request_left(engine)
 
 
-@pytest.mark.parametrize("sentence_transformers,pooler_config,is_generation", [
-    (None, None, True),
-    (None, PoolerConfig("MEAN", False), True),  # a pooling default is no embedding model
-    (("lasttoken", True), None, False),         # Qwen3-Embedding's files
-    (("mean", False), PoolerConfig("LAST", True), False),
-])
+@pytest.mark.parametrize(
+    "sentence_transformers,pooler_config,is_generation",
+    [
+        (None, None, True),
+        (None, PoolerConfig("MEAN", False), True),  # a pooling default is no embedding model
+        (("lasttoken", True), None, False),  # Qwen3-Embedding's files
+        (("mean", False), PoolerConfig("LAST", True), False),
+    ],
+)
 def test_gateway_model_info_says_is_generation_as_sglang_does(
-        tiny_qwen3_path, tmp_path, sentence_transformers, pooler_config, is_generation):
+    tiny_qwen3_path, tmp_path, sentence_transformers, pooler_config, is_generation
+):
     model = shutil.copytree(tiny_qwen3_path, tmp_path / "model")
     if sentence_transformers:
         add_sentence_transformers_files(model, *sentence_transformers)

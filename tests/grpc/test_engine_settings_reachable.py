@@ -1,6 +1,7 @@
 """Every engine setting (each SchedulerConfig and CacheConfig field) is a
 ``server`` flag and an ``LLM(...)`` keyword under one snake-case name, and a
 value given either way reaches the config: a new field cannot be forgotten."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,21 +16,37 @@ from tokenbudget.server.engine.args import EngineArgs
 
 # Config field -> the engine argument that sets it, where the names differ
 # (vLLM's names: --num-gpu-blocks, --kv-cache-memory).
-ENGINE_ARG = {"num_blocks": "num_gpu_blocks", "kv_cache_memory_bytes": "kv_cache_memory",
-              "kv_offload_memory_bytes": "kv_offload_memory"}
+ENGINE_ARG = {
+    "num_blocks": "num_gpu_blocks",
+    "kv_cache_memory_bytes": "kv_cache_memory",
+    "kv_offload_memory_bytes": "kv_offload_memory",
+}
 # A valid value other than the default, where "the default changed a little" is not one.
-OTHER_VALUE = {"policy": "lpm", "preemption_mode": "retract", "hash_algo": "xxhash",
-               "tenant_weights": {"a": 2.0}, "num_blocks": 64,
-               "kv_cache_memory_bytes": 1 << 20, "admission_reserve": True,
-               "gpu_memory_utilization": 0.5, "hash_seed": 7, "kv_offload_memory_bytes": 8 << 30,
-               "num_offload_blocks": 64,
-               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+OTHER_VALUE = {
+    "policy": "lpm",
+    "preemption_mode": "retract",
+    "hash_algo": "xxhash",
+    "tenant_weights": {"a": 2.0},
+    "num_blocks": 64,
+    "kv_cache_memory_bytes": 1 << 20,
+    "admission_reserve": True,
+    "gpu_memory_utilization": 0.5,
+    "hash_seed": 7,
+    "kv_offload_memory_bytes": 8 << 30,
+    "num_offload_blocks": 64,
+    "speculative_config": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    },
+}
 # The value a setting holds in its config when given as in OTHER_VALUE, where they differ.
 IN_CONFIG = {"speculative_config": SpeculativeConfig("ngram", 3, 2, 4)}
 
-FIELDS = [(config, f) for config in (SchedulerConfig, CacheConfig)
-          for f in dataclasses.fields(config)]
+FIELDS = [
+    (config, f) for config in (SchedulerConfig, CacheConfig) for f in dataclasses.fields(config)
+]
 
 
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -59,13 +76,16 @@ def _argv(name: str, value) -> list[str]:
 
 
 def _configs(args: EngineArgs):
-    return {SchedulerConfig: args.scheduler_config(args.max_model_len or 8192),
-            CacheConfig: args.cache_config()}
+    return {
+        SchedulerConfig: args.scheduler_config(args.max_model_len or 8192),
+        CacheConfig: args.cache_config(),
+    }
 
 
 @pytest.mark.parametrize("config, f", FIELDS, ids=[f.name for _, f in FIELDS])
 def test_every_engine_setting_is_a_flag_and_an_llm_keyword_that_reaches_the_config(
-        config, f, monkeypatch):
+    config, f, monkeypatch
+):
     import sys
     import types
 
@@ -88,6 +108,8 @@ def test_policy_options_are_scheduler_config_fields():
 def test_llm_and_server_share_one_async_scheduling_default_on():
     assert EngineArgs().async_scheduling is True
     assert cli.build_parser().parse_args([]).async_scheduling is True
-    assert "default" in next(a.help for a in cli.build_parser()._actions
-                             if a.dest == "async_scheduling" and a.option_strings[0]
-                             == "--async-scheduling")
+    assert "default" in next(
+        a.help
+        for a in cli.build_parser()._actions
+        if a.dest == "async_scheduling" and a.option_strings[0] == "--async-scheduling"
+    )

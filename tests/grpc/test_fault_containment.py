@@ -3,6 +3,7 @@ request: that stream alone ends with INTERNAL, the concurrent streams finish
 with the tokens they get without it, and the server keeps serving with no
 request or KV block left behind (tests/grpc/faulty_worker.py injects the fault).
 """
+
 from __future__ import annotations
 
 import threading
@@ -15,9 +16,11 @@ from tokenbudget.server.entrypoints.client import Client
 
 FAULT_SEED = 2989  # faulty_worker.FAULT_SEED
 PROMPTS = [list(range(40 + 9 * i, 70 + 9 * i)) for i in range(3)]
-GOOD = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+GOOD = [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+]
 BAD = SamplingParams(max_tokens=24, temperature=1.0, seed=FAULT_SEED, ignore_eos=True)
 
 
@@ -52,8 +55,10 @@ def test_one_failing_stream_leaves_the_others_and_the_server_serving(faulty_remo
         assert [got[i] for i in range(len(PROMPTS))] == want
         # Still serving, nothing left behind.
         stub = health_pb2_grpc.HealthStub(c.channel)
-        assert stub.Check(health_pb2.HealthCheckRequest()).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest()).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
         s = c.stats()
         assert s.num_requests == 0 and s.num_running == 0
         assert s.num_free_blocks == s.num_total_blocks

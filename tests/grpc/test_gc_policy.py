@@ -1,4 +1,5 @@
 """The collector policy of the engine and worker processes (core/utils/gc_policy.py)."""
+
 from __future__ import annotations
 
 import gc
@@ -59,8 +60,7 @@ def test_gen0_threshold_below_one_is_refused(restore_gc):
         main(["--gc-threshold", "-5"])
 
 
-def test_worker_initialize_freezes_the_loaded_model_and_sets_gen0_threshold(restore_gc,
-                                                                              tiny_model):
+def test_worker_initialize_freezes_the_loaded_model_and_sets_gen0_threshold(restore_gc, tiny_model):
     from tokenbudget.core import CacheConfig, SchedulerConfig
     from tokenbudget.proto import convert, worker_pb2
     from tokenbudget.worker.grpc_worker import WorkerServicer
@@ -68,9 +68,11 @@ def test_worker_initialize_freezes_the_loaded_model_and_sets_gen0_threshold(rest
     gc.set_threshold(700, *gc.get_threshold()[1:])
     _, gen1, gen2 = gc.get_threshold()
     request = worker_pb2.InitializeRequest(model=tiny_model, dtype="float32", device="cpu")
-    convert.configs_to_proto(CacheConfig(block_size=16, num_blocks=32),
-                             SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
-                             request)
+    convert.configs_to_proto(
+        CacheConfig(block_size=16, num_blocks=32),
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
+        request,
+    )
     servicer = WorkerServicer(gc_threshold=4321)
     try:
         servicer.Initialize(request, None)
@@ -86,8 +88,10 @@ def test_worker_initialize_freezes_the_loaded_model_and_sets_gen0_threshold(rest
 def test_worker_process_applies_the_gc_policy_once_its_model_is_loaded(cluster):
     # The remote server initialized the worker before it answered SERVING.
     deadline = time.monotonic() + 10
-    while not (lines := [x for x in cluster.worker.log if "gc: froze" in x]) and \
-            time.monotonic() < deadline:
+    while (
+        not (lines := [x for x in cluster.worker.log if "gc: froze" in x])
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert len(lines) == 1, "".join(cluster.worker.log[-20:])
     frozen = int(lines[0].split("gc: froze ")[1].split()[0])

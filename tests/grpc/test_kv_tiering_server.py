@@ -2,6 +2,7 @@
 worker process: swap copies cross the worker protocol (nothing recomputed,
 tokens equal the in-process oracle's), and the SubscribeKvEvents stream
 replays, without a gap, to the state a fresh subscriber's snapshot shows."""
+
 from __future__ import annotations
 
 import os
@@ -45,13 +46,43 @@ def tiered_server(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tiered")
     worker_port, port = _free_port(), _free_port()
     procs = [
-        _spawn([sys.executable, "-m", "tokenbudget.worker", "--host", "127.0.0.1", "--port",
-                str(worker_port), "--threads", "1"], logs / "worker.log"),
-        _spawn([str(BIN / "server"), "--model", tiny_model, "--host", "127.0.0.1", "--port",
-                str(port), "--torch-threads", "1", "--worker", f"127.0.0.1:{worker_port}",
-                "--num-gpu-blocks", "20", "--num-offload-blocks", "64",
-                "--enable-kv-cache-events", "--max-num-batched-tokens", "64"],
-               logs / "server.log"),
+        _spawn(
+            [
+                sys.executable,
+                "-m",
+                "tokenbudget.worker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(worker_port),
+                "--threads",
+                "1",
+            ],
+            logs / "worker.log",
+        ),
+        _spawn(
+            [
+                str(BIN / "server"),
+                "--model",
+                tiny_model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--torch-threads",
+                "1",
+                "--worker",
+                f"127.0.0.1:{worker_port}",
+                "--num-gpu-blocks",
+                "20",
+                "--num-offload-blocks",
+                "64",
+                "--enable-kv-cache-events",
+                "--max-num-batched-tokens",
+                "64",
+            ],
+            logs / "server.log",
+        ),
     ]
     client = Client(f"127.0.0.1:{port}")
     try:
@@ -62,8 +93,10 @@ def tiered_server(tiny_model, tmp_path_factory):
                 break
             except grpc.RpcError:
                 if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError("the tiered server did not start:\n" + "\n".join(
-                        f.read_text()[-3000:] for f in logs.iterdir()))
+                    raise RuntimeError(
+                        "the tiered server did not start:\n"
+                        + "\n".join(f.read_text()[-3000:] for f in logs.iterdir())
+                    )
                 time.sleep(0.3)
         yield client
     finally:
@@ -73,8 +106,7 @@ def tiered_server(tiny_model, tmp_path_factory):
             p.wait(10)
 
 
-def test_swap_crosses_the_worker_protocol_and_events_replay_without_a_gap(tiered_server,
-                                                                         oracle):
+def test_swap_crosses_the_worker_protocol_and_events_replay_without_a_gap(tiered_server, oracle):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(10, 1000, size=60).tolist() for _ in range(4)]
     replayer = KVEventReplayer()
@@ -94,8 +126,9 @@ def test_swap_crosses_the_worker_protocol_and_events_replay_without_a_gap(tiered
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(
-            lambda p: tiered_server.generate({"token_ids": p}, GREEDY_40), prompts))
+        results = list(
+            pool.map(lambda p: tiered_server.generate({"token_ids": p}, GREEDY_40), prompts)
+        )
     expected = oracle.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_40)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     stats = tiered_server.stats()
@@ -129,9 +162,14 @@ def test_a_negative_max_pending_is_invalid_argument(tiered_server):
 
 
 def test_kv_copies_and_tier_settings_cross_the_worker_protocol():
-    cache = CacheConfig(block_size=8, num_blocks=100, kv_offload_memory_bytes=1 << 30,
-                        num_offload_blocks=77, kv_load_blocks_per_step=5,
-                        enable_kv_cache_events=True)
+    cache = CacheConfig(
+        block_size=8,
+        num_blocks=100,
+        kv_offload_memory_bytes=1 << 30,
+        num_offload_blocks=77,
+        kv_load_blocks_per_step=5,
+        enable_kv_cache_events=True,
+    )
     msg = worker_pb2.InitializeRequest(model="m")
     convert.configs_to_proto(cache, SchedulerConfig(), msg)
     assert convert.configs_from_proto(msg)[0] == cache
@@ -142,14 +180,24 @@ def test_kv_copies_and_tier_settings_cross_the_worker_protocol():
         wire = worker_pb2.SchedulerOutput.FromString(encoder.encode(so).SerializeToString())
         return wire, decoder.decode(wire)
 
-    first = SchedulerOutput([NewRequestData("a", [1, 2], [], SamplingParams(), [1], 0)],
-                            CachedRequestData(), {"a": 2}, 2)
+    first = SchedulerOutput(
+        [NewRequestData("a", [1, 2], [], SamplingParams(), [1], 0)],
+        CachedRequestData(),
+        {"a": 2},
+        2,
+    )
     send(first)
     steady = SchedulerOutput([], CachedRequestData(["a"], [[]], [2]), {"a": 1}, 1)
     send(steady)
     # The same requests and counts again, but with copies: not a bare repeat.
-    copies = SchedulerOutput([], CachedRequestData(["a"], [[]], [3]), {"a": 1}, 1,
-                             kv_swap_out=[(5, 0), (9, 3)], kv_swap_in=[(2, 7)])
+    copies = SchedulerOutput(
+        [],
+        CachedRequestData(["a"], [[]], [3]),
+        {"a": 1},
+        1,
+        kv_swap_out=[(5, 0), (9, 3)],
+        kv_swap_in=[(2, 7)],
+    )
     wire, back = send(copies)
     assert not wire.repeats_last_step
     assert back.kv_swap_out == [(5, 0), (9, 3)] and back.kv_swap_in == [(2, 7)]

@@ -1,5 +1,6 @@
 """Start-up and shutdown of `server` processes: signals at the edges of
 start-up, and the ports it reports (issue 24, item 6)."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 
 from tests.grpc.conftest import free_port
 
@@ -20,8 +20,13 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
 
 
 def _server(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "server"), "--port", "0", "--torch-threads", "1", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        [str(BIN / "server"), "--port", "0", "--torch-threads", "1", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
 
 
 def _read_until(proc: subprocess.Popen, stream, needle: str, timeout: float = 120.0) -> str:
@@ -64,8 +69,9 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tiny_model):
     """Ctrl-C while start-up waits (here on a --worker nobody answers): one
     line, status 130 (as a shell reports SIGINT), no traceback."""
     port = free_port()
-    proc = _server("--model", tiny_model, "--worker", f"127.0.0.1:{port}",
-                   "--worker-connect-timeout", "120")
+    proc = _server(
+        "--model", tiny_model, "--worker", f"127.0.0.1:{port}", "--worker-connect-timeout", "120"
+    )
     _read_until(proc, proc.stderr, "driving remote workers")
     time.sleep(0.5)  # inside the connect wait
     proc.send_signal(signal.SIGINT)

@@ -1,4 +1,5 @@
 """64 concurrent streaming clients x 20 requests against a real server."""
+
 from __future__ import annotations
 
 import random
@@ -11,15 +12,15 @@ NUM_CLIENTS = 64
 REQUESTS_PER_CLIENT = 20
 
 
-def test_64_streaming_clients_get_exactly_their_tokens_and_leave_every_block_free(
-        cluster, oracle):
+def test_64_streaming_clients_get_exactly_their_tokens_and_leave_every_block_free(cluster, oracle):
     rng = random.Random(0)
     # A few distinct prompts (shared prefixes hit the prefix cache), several lengths.
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(4, 40))] for _ in range(16)]
     max_tokens = [1 + i % 6 for i in range(len(prompts))]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    want = [r.token_ids for r in oracle.generate(
-        [{"prompt_token_ids": p} for p in prompts], params)]
+    want = [
+        r.token_ids for r in oracle.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
 
     failures: list[str] = []
     completed: list[str] = []
@@ -38,8 +39,9 @@ def test_64_streaming_clients_get_exactly_their_tokens_and_leave_every_block_fre
                         tokens.extend(msg.token_ids)
                         finished += bool(msg.finish_reason)
                     if tokens != want[k] or finished != 1:
-                        raise AssertionError(f"{rid}: got {tokens} (finished {finished}), "
-                                             f"want {want[k]}")
+                        raise AssertionError(
+                            f"{rid}: got {tokens} (finished {finished}), want {want[k]}"
+                        )
                     with lock:
                         completed.append(rid)
                 except Exception as e:  # noqa: BLE001 - collected and reported below

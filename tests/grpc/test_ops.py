@@ -3,6 +3,7 @@
 One real `server` (in-process model) and one worker process are started for
 the module and stopped by the last test, which checks how they exit.
 """
+
 from __future__ import annotations
 
 import os
@@ -91,8 +92,8 @@ def free_port() -> int:
 
 @dataclass
 class Ops:
-    server: Process   # in-process model, --log-level debug, --metrics-port
-    worker: Process   # --log-level warning, initialized with the tiny model
+    server: Process  # in-process model, --log-level debug, --metrics-port
+    worker: Process  # --log-level warning, initialized with the tiny model
     metrics_port: int
     model: str
     trace_path: Path  # --record-trace: written when the server exits
@@ -106,21 +107,56 @@ def ops(tiny_model, tmp_path_factory) -> Ops:
     logs = tmp_path_factory.mktemp("ops")
     metrics_port = free_port()
     procs = [
-        start([str(BIN / "server"), "--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
-               "--torch-threads", "1", "--num-gpu-blocks", "64", "--metrics-port",
-               str(metrics_port), "--log-level", "debug", "--log-stats-interval", "0.2",
-               "--record-trace", str(logs / "trace.jsonl")],
-              logs / "server.log"),
-        start([sys.executable, "-m", "tokenbudget.worker", "--host", "127.0.0.1", "--port", "0",
-               "--threads", "1", "--log-level", "warning"], logs / "worker.log"),
+        start(
+            [
+                str(BIN / "server"),
+                "--model",
+                tiny_model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--torch-threads",
+                "1",
+                "--num-gpu-blocks",
+                "64",
+                "--metrics-port",
+                str(metrics_port),
+                "--log-level",
+                "debug",
+                "--log-stats-interval",
+                "0.2",
+                "--record-trace",
+                str(logs / "trace.jsonl"),
+            ],
+            logs / "server.log",
+        ),
+        start(
+            [
+                sys.executable,
+                "-m",
+                "tokenbudget.worker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+            logs / "worker.log",
+        ),
     ]
     try:
         server, worker = (wait_listening(p) for p in procs)
         # Load the model in the worker as a server would (and freeze its heap).
         request = worker_pb2.InitializeRequest(model=tiny_model, dtype="float32", device="cpu")
-        convert.configs_to_proto(CacheConfig(block_size=16, num_blocks=32),
-                                 SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
-                                 request)
+        convert.configs_to_proto(
+            CacheConfig(block_size=16, num_blocks=32),
+            SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
+            request,
+        )
         with grpc.insecure_channel(worker.address) as ch:
             worker_pb2_grpc.WorkerStub(ch).Initialize(request, timeout=START_TIMEOUT)
         yield Ops(server, worker, metrics_port, tiny_model, logs / "trace.jsonl")
@@ -133,13 +169,17 @@ def ops(tiny_model, tmp_path_factory) -> Ops:
 
 # -- versions and flags ------------------------------------------------------------------
 def test_server_python_m_server_and_worker_print_the_package_version(tmp_path):
-    commands = {"server": [str(BIN / "server"), "--version"],
-                "python -m tokenbudget.server": [sys.executable, "-m", "tokenbudget.server",
-                                                 "--version"],
-                "python -m tokenbudget.worker": [sys.executable, "-m", "tokenbudget.worker",
-                                                 "--version"]}
-    procs = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env=ENV) for name, argv in commands.items()}
+    commands = {
+        "server": [str(BIN / "server"), "--version"],
+        "python -m tokenbudget.server": [sys.executable, "-m", "tokenbudget.server", "--version"],
+        "python -m tokenbudget.worker": [sys.executable, "-m", "tokenbudget.worker", "--version"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+        )
+        for name, argv in commands.items()
+    }
     version = metadata.version("tokenbudget")
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=EXIT_TIMEOUT)
@@ -163,8 +203,9 @@ def test_dtype_is_checked_by_the_parser_and_every_flag_explains_itself(capsys):
 def test_debug_level_logs_a_line_per_finished_request_and_a_periodic_stats_line(ops):
     with Client(ops.server.address) as c:
         for i in range(3):
-            c.generate("Hello there", max_tokens=8, temperature=0, ignore_eos=True,
-                       request_id=f"dbg-{i}")
+            c.generate(
+                "Hello there", max_tokens=8, temperature=0, ignore_eos=True, request_id=f"dbg-{i}"
+            )
 
     def stats_lines() -> list[str]:
         return [x for x in ops.server.log.splitlines() if "Avg generation throughput" in x]
@@ -182,8 +223,9 @@ def test_debug_level_logs_a_line_per_finished_request_and_a_periodic_stats_line(
     finished = [x for x in ops.server.log.splitlines() if "request" in x and "finished" in x]
     assert len(finished) == 3, ops.server.log
     assert all(" DEBUG " in x and "output 8 tokens" in x and "TTFT" in x for x in finished)
-    assert [x.split("request ")[1].split()[:2] for x in finished] == \
-        [[f"dbg-{i}", "finished"] for i in range(3)]
+    assert [x.split("request ")[1].split()[:2] for x in finished] == [
+        [f"dbg-{i}", "finished"] for i in range(3)
+    ]
     assert all("(length)" in x for x in finished)
 
 
@@ -206,33 +248,64 @@ def test_reflection_lists_services_and_serves_descriptors_under_v1_and_v1alpha(o
         info = ch.stream_stream(
             f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
             request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
-        listed, described = info(iter([
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(
-                file_containing_symbol="tokenbudget.v1.Generation")]), timeout=30)
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        listed, described = info(
+            iter(
+                [
+                    reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(
+                        file_containing_symbol="tokenbudget.v1.Generation"
+                    ),
+                ]
+            ),
+            timeout=30,
+        )
     names = {s.name for s in listed.list_services_response.service}
-    assert {"tokenbudget.v1.Generation", "grpc.health.v1.Health",
-            "grpc.reflection.v1.ServerReflection",
-            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {
+        "tokenbudget.v1.Generation",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names
     assert described.file_descriptor_response.file_descriptor_proto
 
 
 # -- one owner per port ------------------------------------------------------------------
 @pytest.mark.parametrize("taken", ["server port", "metrics port", "worker port"])
-def test_a_second_process_on_a_taken_port_exits_nonzero_naming_the_address(ops, taken,
-                                                                            tmp_path):
-    server = [str(BIN / "server"), "--model", ops.model, "--host", "127.0.0.1",
-              "--torch-threads", "1", "--num-gpu-blocks", "64"]
+def test_a_second_process_on_a_taken_port_exits_nonzero_naming_the_address(ops, taken, tmp_path):
+    server = [
+        str(BIN / "server"),
+        "--model",
+        ops.model,
+        "--host",
+        "127.0.0.1",
+        "--torch-threads",
+        "1",
+        "--num-gpu-blocks",
+        "64",
+    ]
     argv, message = {
-        "server port": (server + ["--port", str(ops.server.port)],
-                        f"server: cannot listen on {ops.server.address}: address already in use"),
-        "metrics port": (server + ["--port", "0", "--metrics-port", str(ops.metrics_port)],
-                         f"server: cannot serve metrics on 127.0.0.1:{ops.metrics_port}: "
-                         "address already in use"),
-        "worker port": ([sys.executable, "-m", "tokenbudget.worker", "--host", "127.0.0.1",
-                         "--port", str(ops.worker.port)],
-                        f"worker: cannot listen on {ops.worker.address}: address already in use"),
+        "server port": (
+            server + ["--port", str(ops.server.port)],
+            f"server: cannot listen on {ops.server.address}: address already in use",
+        ),
+        "metrics port": (
+            server + ["--port", "0", "--metrics-port", str(ops.metrics_port)],
+            f"server: cannot serve metrics on 127.0.0.1:{ops.metrics_port}: address already in use",
+        ),
+        "worker port": (
+            [
+                sys.executable,
+                "-m",
+                "tokenbudget.worker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ops.worker.port),
+            ],
+            f"worker: cannot listen on {ops.worker.address}: address already in use",
+        ),
     }[taken]
     second = start(argv, tmp_path / "second.log")
     assert second.wait_exit() != 0
@@ -271,9 +344,11 @@ def test_the_server_wrote_its_trace_at_exit_lengths_and_hashes_without_text(ops)
 def test_configure_gc_leaves_no_leaked_lines_at_interpreter_exit():
     pytest.importorskip("triton")
     # Frozen at start-up, triton's objects would outlive their module.
-    code = ("import triton\nfrom tokenbudget.core.utils.gc_policy import configure_gc\n"
-            "configure_gc()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=EXIT_TIMEOUT, env=ENV)
+    code = (
+        "import triton\nfrom tokenbudget.core.utils.gc_policy import configure_gc\nconfigure_gc()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=EXIT_TIMEOUT, env=ENV
+    )
     assert out.returncode == 0, out.stderr
     assert "leaked" not in out.stderr, out.stderr

@@ -1,4 +1,5 @@
 """The protobuf layer: generated code is fresh, and conversion round-trips exactly."""
+
 from __future__ import annotations
 
 import filecmp
@@ -9,9 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.core import (CacheConfig, CachedRequestData, ModelRunnerOutput,
-                              MultiModalFeature, NewRequestData, PromptLogprobs, SamplingParams,
-                              SchedulerConfig, SchedulerOutput)
+from tokenbudget.core import (
+    CacheConfig,
+    CachedRequestData,
+    ModelRunnerOutput,
+    MultiModalFeature,
+    NewRequestData,
+    PromptLogprobs,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.proto import common_pb2, convert, step_stream, worker_pb2
 from tokenbudget.proto.generate import PROTO_DIR, generate
@@ -22,35 +31,71 @@ def test_committed_generated_code_matches_the_proto_sources(tmp_path):
     assert written
     for fresh in written:
         committed = PROTO_DIR / fresh.name
-        assert committed.exists(), f"{fresh.name} is not committed; run python -m tokenbudget.proto.generate"
-        assert filecmp.cmp(fresh, committed, shallow=False), \
+        assert committed.exists(), (
+            f"{fresh.name} is not committed; run python -m tokenbudget.proto.generate"
+        )
+        assert filecmp.cmp(fresh, committed, shallow=False), (
             f"{fresh.name} is stale; run python -m tokenbudget.proto.generate"
+        )
 
 
 def _scheduler_output() -> SchedulerOutput:
-    image = {"pixel_values": torch.randn(16, 12), "image_grid_thw": torch.tensor([[1, 4, 4]]),
-             "deepstack": [torch.randn(2, 3).to(torch.bfloat16)], "note": "x", "scale": 0.5}
+    image = {
+        "pixel_values": torch.randn(16, 12),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "deepstack": [torch.randn(2, 3).to(torch.bfloat16)],
+        "note": "x",
+        "scale": 0.5,
+    }
     new = [
-        NewRequestData("a", [1, 2, 3, 4, 5], [MultiModalFeature("h0", 1, 3, image)],
-                       SamplingParams(max_tokens=7, temperature=0.0, top_k=5, seed=3,
-                                      stop_token_ids=[9, 8], logprobs=2,
-                                      structured={"choice": ["yes", "no"]}),
-                       [1, 2], 0),
-        NewRequestData("b", [7] * 40, [], SamplingParams(structured={"json_schema": '{"type": "object"}'}),
-                       [3, 4, 5], 16, lora_id=2, eos_token_id=11,
-                       pooling_params=PoolingParams("MEAN", False)),
+        NewRequestData(
+            "a",
+            [1, 2, 3, 4, 5],
+            [MultiModalFeature("h0", 1, 3, image)],
+            SamplingParams(
+                max_tokens=7,
+                temperature=0.0,
+                top_k=5,
+                seed=3,
+                stop_token_ids=[9, 8],
+                logprobs=2,
+                structured={"choice": ["yes", "no"]},
+            ),
+            [1, 2],
+            0,
+        ),
+        NewRequestData(
+            "b",
+            [7] * 40,
+            [],
+            SamplingParams(structured={"json_schema": '{"type": "object"}'}),
+            [3, 4, 5],
+            16,
+            lora_id=2,
+            eos_token_id=11,
+            pooling_params=PoolingParams("MEAN", False),
+        ),
     ]
-    cached = CachedRequestData(req_ids=["c", "d", "e"], new_block_ids=[[], [6], [7, 8, 9]],
-                               num_computed_tokens=[33, 17, 0],
-                               resumed_token_ids={"e": [5, 6, 7, 8]})
+    cached = CachedRequestData(
+        req_ids=["c", "d", "e"],
+        new_block_ids=[[], [6], [7, 8, 9]],
+        num_computed_tokens=[33, 17, 0],
+        resumed_token_ids={"e": [5, 6, 7, 8]},
+    )
     return SchedulerOutput(
-        scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
         num_scheduled_tokens={"c": 1, "a": 5, "d": 3, "b": 24, "e": 4},
-        total_num_scheduled_tokens=37, scheduled_spec_decode_tokens={"d": [4, 5]},
-        scheduled_encoder_inputs={"a": [0]}, num_common_prefix_blocks=1,
-        finished_req_ids={"x", "y"}, preempted_req_ids={"z"}, free_encoder_mm_hashes=["old"],
+        total_num_scheduled_tokens=37,
+        scheduled_spec_decode_tokens={"d": [4, 5]},
+        scheduled_encoder_inputs={"a": [0]},
+        num_common_prefix_blocks=1,
+        finished_req_ids={"x", "y"},
+        preempted_req_ids={"z"},
+        free_encoder_mm_hashes=["old"],
         grammar_bitmask=np.arange(6, dtype=np.int32).reshape(2, 3) - 3,
-        structured_req_ids=["a", "b"])
+        structured_req_ids=["a", "b"],
+    )
 
 
 def _assert_same(a, b):
@@ -93,8 +138,9 @@ class _Wire:
         return msg, self.decoder.decode(msg)
 
 
-def _reply_round_trip(out: ModelRunnerOutput, order=None,
-                      decoder=None) -> tuple[worker_pb2.ModelRunnerOutput, ModelRunnerOutput]:
+def _reply_round_trip(
+    out: ModelRunnerOutput, order=None, decoder=None
+) -> tuple[worker_pb2.ModelRunnerOutput, ModelRunnerOutput]:
     wire = step_stream.model_runner_output_to_proto(out, 3, order).SerializeToString()
     msg = worker_pb2.ModelRunnerOutput.FromString(wire)
     return msg, (decoder or step_stream.ModelRunnerOutputDecoder()).decode(msg, order)
@@ -102,8 +148,9 @@ def _reply_round_trip(out: ModelRunnerOutput, order=None,
 
 def _step(cached: list[str], nct: list[int], blocks=None, **kw) -> SchedulerOutput:
     blocks = blocks or [[] for _ in cached]
-    return SchedulerOutput([], CachedRequestData(list(cached), blocks, nct),
-                           {r: 1 for r in cached}, len(cached), **kw)
+    return SchedulerOutput(
+        [], CachedRequestData(list(cached), blocks, nct), {r: 1 for r in cached}, len(cached), **kw
+    )
 
 
 def _new(rid: str, prompt: list[int], blocks: list[int]) -> NewRequestData:
@@ -113,8 +160,11 @@ def _new(rid: str, prompt: list[int], blocks: list[int]) -> NewRequestData:
 def test_scheduler_output_round_trips_through_bytes_including_mm_tensors():
     wire = _Wire()
     # c, d and e were sent before: they are cached requests in the step under test.
-    wire.send(SchedulerOutput([_new(r, [1, 2], [1]) for r in "cde"], CachedRequestData(),
-                              {r: 2 for r in "cde"}, 6))
+    wire.send(
+        SchedulerOutput(
+            [_new(r, [1, 2], [1]) for r in "cde"], CachedRequestData(), {r: 2 for r in "cde"}, 6
+        )
+    )
     so = _scheduler_output()
     msg, back = wire.send(so)
     _assert_same(so, back)
@@ -126,8 +176,11 @@ def test_scheduler_output_round_trips_through_bytes_including_mm_tensors():
 def test_steady_decode_steps_name_requests_by_handle_and_pack_everything():
     wire = _Wire()
     ids = [f"request-{i}" for i in range(5)]
-    wire.send(SchedulerOutput([_new(r, [1, 2, 3], [1]) for r in ids], CachedRequestData(),
-                              {r: 3 for r in ids}, 15))
+    wire.send(
+        SchedulerOutput(
+            [_new(r, [1, 2, 3], [1]) for r in ids], CachedRequestData(), {r: 3 for r in ids}, 15
+        )
+    )
     for step in range(3):
         so = _step(ids, [3 + step] * 5, [[], [9 + step], [], [], [4, 5]] if step else None)
         msg, back = wire.send(so)
@@ -146,8 +199,11 @@ def test_steady_decode_steps_name_requests_by_handle_and_pack_everything():
 def test_a_step_repeating_the_last_ones_requests_and_counts_sends_only_its_deltas():
     wire = _Wire()
     ids = [f"request-{i}" for i in range(4)]
-    wire.send(SchedulerOutput([_new(r, [1, 2, 3], [1]) for r in ids], CachedRequestData(),
-                              {r: 1 for r in ids}, 4))
+    wire.send(
+        SchedulerOutput(
+            [_new(r, [1, 2, 3], [1]) for r in ids], CachedRequestData(), {r: 1 for r in ids}, 4
+        )
+    )
     # The first decode step repeats the prefill step's order and counts (one
     # token each), so it is already a repeat, as is every step after it.
     for step, blocks in enumerate([None, [[], [7], [], []], None]):
@@ -157,9 +213,13 @@ def test_a_step_repeating_the_last_ones_requests_and_counts_sends_only_its_delta
         assert msg.repeats_last_step
         assert not msg.scheduled_cached_reqs.handles and not msg.num_scheduled_tokens
     # Any change of order, count or membership is sent in full.
-    for so in (_step(ids[::-1], [4] * 4), _step(ids[:3], [5] * 3),
-               SchedulerOutput([], CachedRequestData(ids[:3], [[]] * 3, [6] * 3),
-                               {r: 2 for r in ids[:3]}, 6)):
+    for so in (
+        _step(ids[::-1], [4] * 4),
+        _step(ids[:3], [5] * 3),
+        SchedulerOutput(
+            [], CachedRequestData(ids[:3], [[]] * 3, [6] * 3), {r: 2 for r in ids[:3]}, 6
+        ),
+    ):
         msg, back = wire.send(so)
         _assert_same(so, back)
         assert not msg.repeats_last_step
@@ -177,7 +237,7 @@ def test_random_step_sequences_round_trip_exactly():
     encoder and decoder: every step decodes to what was encoded."""
     rng = random.Random(7)
     wire = _Wire()
-    sent: set[str] = set()       # announced to the worker, not finished
+    sent: set[str] = set()  # announced to the worker, not finished
     preempted: set[str] = set()  # announced, waiting to resume
     counter = 0
     last: list[str] = []
@@ -212,9 +272,18 @@ def test_random_step_sequences_round_trip_exactly():
         nst = {r: 1 if steady else rng.randint(1, 4) for r in cached_ids}
         nst.update({r.req_id: len(r.prompt_token_ids) for r in new})
         so = SchedulerOutput(
-            new, CachedRequestData(cached_ids, blocks, [rng.randrange(500) for _ in cached_ids],
-                                   {r: [1, 2, 3] for r in resumed}),
-            nst, sum(nst.values()), finished_req_ids=finished, preempted_req_ids=pre)
+            new,
+            CachedRequestData(
+                cached_ids,
+                blocks,
+                [rng.randrange(500) for _ in cached_ids],
+                {r: [1, 2, 3] for r in resumed},
+            ),
+            nst,
+            sum(nst.values()),
+            finished_req_ids=finished,
+            preempted_req_ids=pre,
+        )
         msg, back = wire.send(so)
         _assert_same(so, back)
         repeats += msg.repeats_last_step
@@ -226,22 +295,35 @@ def test_random_step_sequences_round_trip_exactly():
 def test_handles_follow_requests_through_finish_preempt_resume_and_id_reuse():
     wire = _Wire()
     steps = [
-        SchedulerOutput([_new("a", [1, 2], [1]), _new("b", [3], [2])], CachedRequestData(),
-                        {"a": 2, "b": 1}, 3),
+        SchedulerOutput(
+            [_new("a", [1, 2], [1]), _new("b", [3], [2])], CachedRequestData(), {"a": 2, "b": 1}, 3
+        ),
         _step(["a", "b"], [2, 1], [[3], []]),
         _step(["a"], [3], preempted_req_ids={"b"}),
         # a finishes and a new request reuses its id in the same step; x was
         # aborted before it was ever sent.
-        SchedulerOutput([_new("a", [7, 7, 7], [5]), _new("c", [5, 6], [4])],
-                        CachedRequestData(), {"a": 3, "c": 2}, 5, finished_req_ids={"a", "x"}),
+        SchedulerOutput(
+            [_new("a", [7, 7, 7], [5]), _new("c", [5, 6], [4])],
+            CachedRequestData(),
+            {"a": 3, "c": 2},
+            5,
+            finished_req_ids={"a", "x"},
+        ),
         # b resumes with its whole table and tokens.
-        SchedulerOutput([], CachedRequestData(["a", "c", "b"], [[], [], [6, 7]], [3, 2, 0],
-                                              {"b": [3, 8]}),
-                        {"a": 1, "c": 1, "b": 2}, 4),
+        SchedulerOutput(
+            [],
+            CachedRequestData(["a", "c", "b"], [[], [], [6, 7]], [3, 2, 0], {"b": [3, 8]}),
+            {"a": 1, "c": 1, "b": 2},
+            4,
+        ),
         _step(["a", "b"], [4, 2], finished_req_ids={"c"}),
         # c's handle is free again and goes to a new request d.
-        SchedulerOutput([_new("d", [9], [8])], CachedRequestData(["a", "b"], [[], []], [5, 3]),
-                        {"a": 1, "b": 1, "d": 1}, 3),
+        SchedulerOutput(
+            [_new("d", [9], [8])],
+            CachedRequestData(["a", "b"], [[], []], [5, 3]),
+            {"a": 1, "b": 1, "d": 1},
+            3,
+        ),
     ]
     msgs = []
     for so in steps:
@@ -263,7 +345,8 @@ def test_a_step_naming_an_unsent_request_is_refused():
     with pytest.raises(ValueError, match="'ghost'"):
         step_stream.SchedulerOutputEncoder().encode(_step(["ghost"], [1]))
     msg = worker_pb2.SchedulerOutput(
-        scheduled_cached_reqs=worker_pb2.CachedRequests(handles=convert._i32([7])))
+        scheduled_cached_reqs=worker_pb2.CachedRequests(handles=convert._i32([7]))
+    )
     with pytest.raises(ValueError, match="never announced"):
         step_stream.SchedulerOutputDecoder().decode(msg)
 
@@ -275,20 +358,21 @@ def test_empty_scheduler_output_round_trips():
 
 def test_model_runner_output_round_trips_with_logprobs_drafts_and_pooler():
     out = ModelRunnerOutput(
-        req_ids=["a", "b", "c"], req_id_to_index={"a": 0, "b": 1, "c": 2},
+        req_ids=["a", "b", "c"],
+        req_id_to_index={"a": 0, "b": 1, "c": 2},
         sampled_token_ids=[[5], [], [7, 8, 9]],
         logprobs=[[{5: -0.5, 1: -1.25}], None, [{7: -0.125}, {8: -2.0}, {9: -3.5}]],
         pooler_output=[torch.ones(3), None, torch.zeros(2, dtype=torch.float16)],
         spec_token_ids=[[1, 2], [], [3]],
-        prompt_logprobs={"b": PromptLogprobs(17, [{4: -0.5, 6: -0.25}, {9: -3.0}])})
+        prompt_logprobs={"b": PromptLogprobs(17, [{4: -0.5, 6: -0.25}, {9: -3.0}])},
+    )
     _assert_same(out, _reply_round_trip(out)[1])
     decoder = step_stream.ModelRunnerOutputDecoder()
     for sampled in ([[4]], [[]], [[1, 2]]):  # one decoder across steps of varying shape
         plain = ModelRunnerOutput(["a"], {"a": 0}, sampled)
         _assert_same(plain, _reply_round_trip(plain, ["a"], decoder)[1])
     rows = [[] for _ in range(9)] + [[3, 4]]  # mostly empty: the sparse form
-    sparse = ModelRunnerOutput([str(i) for i in range(10)], {str(i): i for i in range(10)},
-                               rows)
+    sparse = ModelRunnerOutput([str(i) for i in range(10)], {str(i): i for i in range(10)}, rows)
     msg, back = _reply_round_trip(sparse)
     assert msg.sampled_token_ids.sparse
     _assert_same(sparse, back)
@@ -301,8 +385,7 @@ def test_token_ids_travel_as_packed_little_endian_int32():
     assert new.prompt_token_ids == struct.pack("<3i", 1, 2, 70000)
     assert new.block_ids == struct.pack("<2i", 5, 6)
     with pytest.raises(ValueError, match="int32"):
-        _Wire().send(SchedulerOutput([_new("r", [1 << 40], [1])], CachedRequestData(),
-                                     {"r": 1}, 1))
+        _Wire().send(SchedulerOutput([_new("r", [1 << 40], [1])], CachedRequestData(), {"r": 1}, 1))
 
 
 def test_unset_sampling_fields_take_engine_defaults_and_bad_values_name_the_field():
@@ -311,36 +394,67 @@ def test_unset_sampling_fields_take_engine_defaults_and_bad_values_name_the_fiel
         convert.sampling_params_from_proto(common_pb2.SamplingParams(top_p=1.5))
     with pytest.raises(ValueError, match="structured"):
         convert.sampling_params_from_proto(
-            common_pb2.SamplingParams(structured=common_pb2.StructuredOutput()))
+            common_pb2.SamplingParams(structured=common_pb2.StructuredOutput())
+        )
 
 
 def test_every_sampling_field_round_trips():
     # Every field set to a non-default value: a field the converter forgets
     # comes back as its default and fails the comparison.
     params = SamplingParams(
-        max_tokens=9, min_tokens=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=11,
-        stop_token_ids=[3], ignore_eos=True, logprobs=2, structured={"regex": "[ab]+"},
-        stop=["END", "\n\n"], include_stop_str_in_output=True, repetition_penalty=1.3,
-        frequency_penalty=0.5, presence_penalty=-0.25, logit_bias={7: 2.5, 9: -100.0},
-        allowed_token_ids=[7, 9, 11], bad_words=["darn"], bad_words_token_ids=[[4, 5], [6]],
-        n=3, prompt_logprobs=1, skip_special_tokens=False,
-        spaces_between_special_tokens=False, truncate_prompt_tokens=100)
+        max_tokens=9,
+        min_tokens=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=11,
+        stop_token_ids=[3],
+        ignore_eos=True,
+        logprobs=2,
+        structured={"regex": "[ab]+"},
+        stop=["END", "\n\n"],
+        include_stop_str_in_output=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        logit_bias={7: 2.5, 9: -100.0},
+        allowed_token_ids=[7, 9, 11],
+        bad_words=["darn"],
+        bad_words_token_ids=[[4, 5], [6]],
+        n=3,
+        prompt_logprobs=1,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        truncate_prompt_tokens=100,
+    )
     defaults = SamplingParams()
     unchanged = [f for f in params.to_dict() if getattr(params, f) == getattr(defaults, f)]
     assert unchanged == []
     msg = common_pb2.SamplingParams()
     convert.sampling_params_to_proto(params, msg)
-    back = convert.sampling_params_from_proto(common_pb2.SamplingParams.FromString(
-        msg.SerializeToString()))
+    back = convert.sampling_params_from_proto(
+        common_pb2.SamplingParams.FromString(msg.SerializeToString())
+    )
     assert back == params
 
 
 def test_configs_round_trip():
-    cache = CacheConfig(block_size=8, num_blocks=100, enable_prefix_caching=False,
-                        kv_cache_memory_bytes=None, hash_algo="sha256")
-    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=3, max_model_len=200,
-                            long_prefill_token_threshold=9, policy="priority",
-                            async_scheduling=True)
+    cache = CacheConfig(
+        block_size=8,
+        num_blocks=100,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=None,
+        hash_algo="sha256",
+    )
+    sched = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=3,
+        max_model_len=200,
+        long_prefill_token_threshold=9,
+        policy="priority",
+        async_scheduling=True,
+    )
     msg = worker_pb2.InitializeRequest(model="m")
     convert.configs_to_proto(cache, sched, msg)
     assert convert.configs_from_proto(msg) == (cache, sched)

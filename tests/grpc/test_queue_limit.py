@@ -1,4 +1,5 @@
 """A full waiting queue answers RESOURCE_EXHAUSTED and the server keeps serving."""
+
 from __future__ import annotations
 
 import threading
@@ -28,15 +29,19 @@ class SlowExecutor:
         for r in so.scheduled_new_reqs:
             self._prompt_len[r.req_id] = len(r.prompt_token_ids)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        computed.update(zip(so.scheduled_cached_reqs.req_ids,
-                            so.scheduled_cached_reqs.num_computed_tokens))
+        computed.update(
+            zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens)
+        )
 
         def run() -> ModelRunnerOutput:
             time.sleep(0.02)
             ids = list(so.num_scheduled_tokens)
-            sampled = [[7] if computed[r] + n >= self._prompt_len[r] else []
-                       for r, n in so.num_scheduled_tokens.items()]
+            sampled = [
+                [7] if computed[r] + n >= self._prompt_len[r] else []
+                for r, n in so.num_scheduled_tokens.items()
+            ]
             return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled)
+
         return self._pool.submit(run)
 
     def shutdown(self) -> None:
@@ -50,9 +55,13 @@ def slow_server(request, tmp_path, serving):
 
     path = build_tiny_qwen3(tmp_path / "m")
     executor = SlowExecutor()
-    core = EngineCore(SchedulerConfig(max_num_seqs=1, max_queued_requests=1, max_model_len=256,
-                                      policy=request.param),
-                      CacheConfig(block_size=16), executor)
+    core = EngineCore(
+        SchedulerConfig(
+            max_num_seqs=1, max_queued_requests=1, max_model_len=256, policy=request.param
+        ),
+        CacheConfig(block_size=16),
+        executor,
+    )
     engine = AsyncEngine(core, InputProcessor.from_pretrained(path), model_name="tiny")
     with serving(engine) as client:
         yield client, engine
@@ -98,8 +107,10 @@ def test_a_queued_request_evicted_by_a_higher_priority_one_is_told_why(slow_serv
     with pytest.raises(grpc.RpcError) as err:
         low.result(timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert err.value.details() == ("evicted from the full waiting queue (max_queued_requests=1) "
-                                   "by a higher-priority request; retry later")
+    assert err.value.details() == (
+        "evicted from the full waiting queue (max_queued_requests=1) "
+        "by a higher-priority request; retry later"
+    )
     client.abort("running")
     assert len(high.result(timeout=30).token_ids) == 2
     _wait_until(lambda: not sched.requests)

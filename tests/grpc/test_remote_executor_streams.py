@@ -1,6 +1,7 @@
 """RemoteExecutor against a scripted in-process worker: the replies each step
 gets are the ones that worker sent for it, errors and a vanished worker fail
 steps with WorkerUnavailableError, and shutdown leaves nothing behind."""
+
 from __future__ import annotations
 
 import threading
@@ -11,8 +12,12 @@ import grpc
 import pytest
 
 from tokenbudget.core import CacheConfig, SamplingParams, SchedulerConfig
-from tokenbudget.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      SchedulerOutput)
+from tokenbudget.core.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from tokenbudget.proto import step_stream, worker_pb2, worker_pb2_grpc
 from tokenbudget.proto.rpc.auth import WorkerSecretInterceptor
 from tokenbudget.server.executor.remote import RemoteExecutor, WorkerUnavailableError
@@ -25,8 +30,9 @@ _WAIT = 10
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     """Samples token step_id * 10 + row for every request; fails step ``fail_at``."""
 
-    def __init__(self, fail_at: int | None = None, num_blocks: int = 7,
-                 hang_at: int | None = None) -> None:
+    def __init__(
+        self, fail_at: int | None = None, num_blocks: int = 7, hang_at: int | None = None
+    ) -> None:
         """``hang_at``: leave that step unanswered until ``release`` is set."""
         self.fail_at = fail_at
         self.num_blocks = num_blocks
@@ -50,8 +56,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             if msg.step_id == self.fail_at:
                 yield worker_pb2.ModelRunnerOutput(step_id=msg.step_id, error="scripted failure")
                 return
-            out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
-                                    [[msg.step_id * 10 + i] for i in range(len(ids))])
+            out = ModelRunnerOutput(
+                ids,
+                {r: i for i, r in enumerate(ids)},
+                [[msg.step_id * 10 + i] for i in range(len(ids))],
+            )
             self.sent[msg.step_id] = out
             yield step_stream.model_runner_output_to_proto(out, msg.step_id, ids)
         self.half_closed.set()
@@ -64,11 +73,14 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
 def make_worker():
     servers: list[grpc.Server] = []
 
-    def start(servicer: ScriptedWorker, port: int = 0,
-              secret: str | None = None) -> tuple[grpc.Server, str]:
+    def start(
+        servicer: ScriptedWorker, port: int = 0, secret: str | None = None
+    ) -> tuple[grpc.Server, str]:
         interceptors = [WorkerSecretInterceptor(secret)] if secret else []
-        server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="scripted-worker"),
-                             interceptors=interceptors)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(4, thread_name_prefix="scripted-worker"),
+            interceptors=interceptors,
+        )
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port(f"127.0.0.1:{port}")
         server.start()
@@ -82,20 +94,35 @@ def make_worker():
 
 def _connect(address: str, **options) -> RemoteExecutor:
     executor = RemoteExecutor([address], "scripted", connect_timeout=10, **options)
-    assert executor.initialize(CacheConfig(block_size=4, num_blocks=8),
-                               SchedulerConfig(max_model_len=32)).num_blocks == 7
+    assert (
+        executor.initialize(
+            CacheConfig(block_size=4, num_blocks=8), SchedulerConfig(max_model_len=32)
+        ).num_blocks
+        == 7
+    )
     return executor
 
 
 def _steps(n: int) -> list[SchedulerOutput]:
     """A prefill of REQS, then decode steps."""
     first = SchedulerOutput(
-        [NewRequestData(r, [5, 6, 7], [], SamplingParams(max_tokens=n), [1 + i], 0)
-         for i, r in enumerate(REQS)],
-        CachedRequestData(), {r: 3 for r in REQS}, 3 * len(REQS))
-    decodes = [SchedulerOutput([], CachedRequestData(list(REQS), [[] for _ in REQS],
-                                                     [3 + k] * len(REQS)),
-                               {r: 1 for r in REQS}, len(REQS)) for k in range(n - 1)]
+        [
+            NewRequestData(r, [5, 6, 7], [], SamplingParams(max_tokens=n), [1 + i], 0)
+            for i, r in enumerate(REQS)
+        ],
+        CachedRequestData(),
+        {r: 3 for r in REQS},
+        3 * len(REQS),
+    )
+    decodes = [
+        SchedulerOutput(
+            [],
+            CachedRequestData(list(REQS), [[] for _ in REQS], [3 + k] * len(REQS)),
+            {r: 1 for r in REQS},
+            len(REQS),
+        )
+        for k in range(n - 1)
+    ]
     return [first, *decodes]
 
 
@@ -108,8 +135,9 @@ def test_waiting_on_a_later_step_resolves_the_earlier_ones_with_their_own_replie
         last = sent[-1].result(timeout=_WAIT)
         assert all(f.done() for f in sent)
         got = [f.result(timeout=_WAIT) for f in sent[:-1]] + [last]
-        assert [(o.req_ids, o.sampled_token_ids) for o in got] == \
-            [(worker.sent[i].req_ids, worker.sent[i].sampled_token_ids) for i in (1, 2, 3, 4)]
+        assert [(o.req_ids, o.sampled_token_ids) for o in got] == [
+            (worker.sent[i].req_ids, worker.sent[i].sampled_token_ids) for i in (1, 2, 3, 4)
+        ]
     finally:
         executor.shutdown()
 
@@ -163,8 +191,11 @@ def test_shutdown_half_closes_an_idle_stream_and_leaves_no_threads(make_worker):
     assert worker.half_closed.wait(5.0)
 
     def ours() -> set[threading.Thread]:
-        return {t for t in set(threading.enumerate()) - before
-                if not t.name.startswith("scripted-worker")}
+        return {
+            t
+            for t in set(threading.enumerate()) - before
+            if not t.name.startswith("scripted-worker")
+        }
 
     deadline = time.monotonic() + 5.0
     while ours() and time.monotonic() < deadline:
@@ -195,8 +226,10 @@ def test_a_worker_with_a_secret_refuses_an_executor_without_it(make_worker):
         _connect(address, secret="wrong")
     executor = _connect(address, secret="s3cret")
     try:
-        assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == \
-            [[10], [11]]
+        assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == [
+            [10],
+            [11],
+        ]
         assert executor.health()
     finally:
         executor.shutdown()
@@ -210,12 +243,15 @@ def test_a_step_left_unanswered_past_step_timeout_fails_and_reinitialize_recover
     executor.add_failure_callback(failures.append)
     try:
         steps = _steps(3)
-        assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == \
-            [[10], [11]]
+        assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == [
+            [10],
+            [11],
+        ]
         hung = executor.execute_model(steps[1])
         sent_at = time.monotonic()
-        with pytest.raises(WorkerUnavailableError, match="did not answer a step within "
-                                                         "--worker-step-timeout=0.5 s"):
+        with pytest.raises(
+            WorkerUnavailableError, match="did not answer a step within --worker-step-timeout=0.5 s"
+        ):
             hung.result(timeout=_WAIT)
         assert 0.5 <= time.monotonic() - sent_at < 3.0
         assert len(failures) == 1
@@ -223,8 +259,10 @@ def test_a_step_left_unanswered_past_step_timeout_fails_and_reinitialize_recover
         # whose steps are numbered from 1 again.
         worker.release.set()
         assert executor.reinitialize().num_blocks == 7 and worker.initialized == 2
-        assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == \
-            [[10], [11]]
+        assert executor.execute_model(steps[0]).result(timeout=_WAIT).sampled_token_ids == [
+            [10],
+            [11],
+        ]
         time.sleep(1.0)  # the old stream ending late must not fail the new one
         assert len(failures) == 1 and executor.health()
     finally:
@@ -243,8 +281,10 @@ def test_reinitialize_finds_a_restarted_worker_and_reports_its_kv_size(make_work
             executor.reinitialize(connect_timeout=0.5)  # nobody listens yet
         make_worker(ScriptedWorker(num_blocks=5), port=int(address.rsplit(":", 1)[1]))
         assert executor.reinitialize().num_blocks == 5
-        assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == \
-            [[10], [11]]
+        assert executor.execute_model(_steps(1)[0]).result(timeout=_WAIT).sampled_token_ids == [
+            [10],
+            [11],
+        ]
     finally:
         executor.shutdown()
 

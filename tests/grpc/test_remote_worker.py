@@ -3,6 +3,7 @@
 The last test kills the worker, so it stays last in this file; no other file
 uses the remote server.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,12 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 def test_remote_worker_server_generates_what_the_in_process_llm_does(cluster, oracle):
     # Mixed lengths, one chunked prompt, run concurrently so steps batch them.
-    prompts = ["Hello!", "Paged attention stores keys and values in fixed-size blocks. " * 3,
-               "def fibonacci(n: int) -> int:", "東京 こんにちは"]
+    prompts = [
+        "Hello!",
+        "Paged attention stores keys and values in fixed-size blocks. " * 3,
+        "def fibonacci(n: int) -> int:",
+        "東京 こんにちは",
+    ]
     want = [r.token_ids for r in oracle.generate(prompts, GREEDY)]
     got: dict[int, list[int]] = {}
     with Client(cluster.remote.address) as c:
@@ -47,8 +52,9 @@ PROMPT = list(range(40, 90))  # 50 tokens: a chunked prefill at the servers' bud
 
 @pytest.mark.parametrize("server", ["local", "remote"])
 def test_n_samples_stream_with_their_index_and_equal_the_llm(cluster, oracle, server):
-    params = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=10, ignore_eos=True,
-                            logprobs=1)
+    params = SamplingParams(
+        n=3, seed=5, temperature=1.0, max_tokens=10, ignore_eos=True, logprobs=1
+    )
     want = oracle.generate({"prompt_token_ids": PROMPT}, params)[0]
     with Client(getattr(cluster, server).address) as c:
         got = c.generate(PROMPT, params)

@@ -1,5 +1,6 @@
 """RequestStream read from a thread and from an asyncio event loop (the
 server's grpc.aio streams): every token once, in order, backlogs coalesced."""
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,11 @@ def test_sync_and_async_readers_coalesce_a_backlog_into_one_chunk():
 
     sync_chunks = list(backlogged())
     async_chunks = asyncio.run(_read_async(backlogged()))
-    assert [(c.token_ids, c.finish_reason) for c in sync_chunks] == \
-        [(c.token_ids, c.finish_reason) for c in async_chunks] == [([0, 1, 2, 3, 4], "length")]
+    assert (
+        [(c.token_ids, c.finish_reason) for c in sync_chunks]
+        == [(c.token_ids, c.finish_reason) for c in async_chunks]
+        == [([0, 1, 2, 3, 4], "length")]
+    )
 
 
 def test_async_reader_raises_the_engine_error():

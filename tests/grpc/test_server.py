@@ -1,4 +1,5 @@
 """A real `server` process (tiny Qwen3, in-process worker) against the in-process LLM."""
+
 from __future__ import annotations
 
 import threading
@@ -51,7 +52,8 @@ def test_health_is_serving_and_reflection_lists_the_public_services_only(cluster
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert {"tokenbudget.v1.Generation", "grpc.health.v1.Health"} <= names
     # The worker's control plane is not served on the public port, nor advertised.
@@ -59,8 +61,11 @@ def test_health_is_serving_and_reflection_lists_the_public_services_only(cluster
 
 
 def test_streamed_text_generation_equals_in_process_llm(client, oracle):
-    prompts = ["Hello! How are you today?", "The scheduler hands out a budget of tokens",
-               "Unicode: café 東京 🙂 " * 6]
+    prompts = [
+        "Hello! How are you today?",
+        "The scheduler hands out a budget of tokens",
+        "Unicode: café 東京 🙂 " * 6,
+    ]
     want = oracle.generate(prompts, GREEDY)
     for prompt, ref in zip(prompts, want):
         msgs = _stream(client, prompt)
@@ -76,8 +81,10 @@ def test_streamed_text_generation_equals_in_process_llm(client, oracle):
 
 def test_token_id_prompts_and_chat_messages_equal_in_process_llm(client, oracle):
     ids = [5, 17, 300, 42, 42, 7] * 12  # longer than the 64-token budget: chunked
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     want = oracle.generate([{"prompt_token_ids": ids}, {"messages": messages}], GREEDY)
     got_ids, _ = _collect(_stream(client, ids))
     got_chat, chat_text = _collect(_stream(client, {"messages": messages}))
@@ -89,8 +96,11 @@ def test_non_streaming_generate_reports_usage_and_cached_tokens(client, oracle):
     prompt = list(range(10, 60))  # 50 tokens: 3 full blocks can be reused
     first = client.generate(prompt, GREEDY)
     second = client.generate(prompt, GREEDY)
-    assert first.token_ids == second.token_ids == oracle.generate(
-        {"prompt_token_ids": prompt}, GREEDY)[0].token_ids
+    assert (
+        first.token_ids
+        == second.token_ids
+        == oracle.generate({"prompt_token_ids": prompt}, GREEDY)[0].token_ids
+    )
     assert (second.prompt_tokens, second.completion_tokens) == (50, 12)
     assert second.cached_tokens == 48
 
@@ -108,7 +118,9 @@ BAD_INPUTS = {
     "empty token ids": (_bad(token_ids=common_pb2.TokenIds(ids=[])), "token_ids"),
     "no input": (_bad(), "input"),
     "prompt longer than max_model_len": (
-        _bad(token_ids=common_pb2.TokenIds(ids=[5] * 4097)), "max_model_len"),
+        _bad(token_ids=common_pb2.TokenIds(ids=[5] * 4097)),
+        "max_model_len",
+    ),
     "max_tokens 0": (_bad(text="hi", sampling_params=_sp(max_tokens=0)), "max_tokens"),
     "max_tokens negative": (_bad(text="hi", sampling_params=_sp(max_tokens=-3)), "max_tokens"),
     "temperature < 0": (_bad(text="hi", sampling_params=_sp(temperature=-0.5)), "temperature"),
@@ -208,10 +220,16 @@ def _start_long_sglang(client, request_id: str):
     """The same through the SGLang gateway's worker protocol (same port), as the gateway sends
     it; the stream and its first response."""
     stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(client.channel)
-    call = stub.Generate(sgl.GenerateRequest(
-        request_id=request_id, tokenized=sgl.TokenizedInput(input_ids=list(range(40, 90))),
-        sampling_params=sgl.SamplingParams(max_new_tokens=3000, ignore_eos=True, top_p=1.0,
-                                           repetition_penalty=1.0), stream=True))
+    call = stub.Generate(
+        sgl.GenerateRequest(
+            request_id=request_id,
+            tokenized=sgl.TokenizedInput(input_ids=list(range(40, 90))),
+            sampling_params=sgl.SamplingParams(
+                max_new_tokens=3000, ignore_eos=True, top_p=1.0, repetition_penalty=1.0
+            ),
+            stream=True,
+        )
+    )
     first = next(call)
     assert first.WhichOneof("response") == "chunk", first
     return call, first
@@ -238,10 +256,16 @@ def test_client_cancellation_frees_kv_within_a_step(client, start):
 
 
 def _metrics(cluster) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    return {line.split("{")[0].removeprefix("tokenbudget:"): float(line.rsplit(" ", 1)[1])
-            for line in body.splitlines() if line.startswith("tokenbudget:") and "{" in line}
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    return {
+        line.split("{")[0].removeprefix("tokenbudget:"): float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("tokenbudget:") and "{" in line
+    }
 
 
 def _metrics_when(cluster, ready, timeout: float = 10.0) -> dict[str, float]:
@@ -262,8 +286,10 @@ def test_metrics_endpoint_counts_generated_tokens_prefix_cache_and_latencies(clu
     prompt = list(range(700, 750))
     client.generate(prompt, GREEDY)
     client.generate(prompt, GREEDY)
-    after = _metrics_when(cluster, lambda v: v["prefix_cache_queries_total"]
-                          >= before["prefix_cache_queries_total"] + 100)
+    after = _metrics_when(
+        cluster,
+        lambda v: v["prefix_cache_queries_total"] >= before["prefix_cache_queries_total"] + 100,
+    )
 
     def delta(name):
         return after[name] - before[name]
@@ -271,11 +297,15 @@ def test_metrics_endpoint_counts_generated_tokens_prefix_cache_and_latencies(clu
     assert delta("prefix_cache_queries_total") == 100
     assert delta("prefix_cache_hits_total") == 48
     assert after["prefix_cache_hit_rate"] == pytest.approx(
-        after["prefix_cache_hits_total"] / after["prefix_cache_queries_total"])
+        after["prefix_cache_hits_total"] / after["prefix_cache_queries_total"]
+    )
     assert delta("generation_tokens_total") == 2 * GREEDY.max_tokens
     assert after["generation_tokens_total"] == client.stats().num_generated_tokens
-    for name in ("e2e_request_latency_seconds_count", "time_to_first_token_seconds_count",
-                 "time_per_output_token_seconds_count"):
+    for name in (
+        "e2e_request_latency_seconds_count",
+        "time_to_first_token_seconds_count",
+        "time_per_output_token_seconds_count",
+    ):
         assert delta(name) == 2, name
     assert delta("e2e_request_latency_seconds_sum") > 0
     assert delta("num_preemptions_total") == 0

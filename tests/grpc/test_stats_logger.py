@@ -1,5 +1,6 @@
 """The operator's log lines: the periodic stats line and one line per finished
 request (server/engine/stats_logger.py, fed through EngineMetrics's hooks)."""
+
 from __future__ import annotations
 
 import logging
@@ -57,24 +58,40 @@ def test_stats_line_gives_the_intervals_throughput_and_counts_and_the_current_ga
     metrics.observe_tokens(300)
     metrics.observe_tokens(200)
     metrics.observe_finished(Timing(100.5, 100.6, 250), 102.0)
-    metrics.observe_engine(Stats(num_running=3, num_waiting=2, kv_cache_usage=0.4125,
-                                 prefix_cache_queries=400, prefix_cache_hits=100,
-                                 num_preemptions=1))
+    metrics.observe_engine(
+        Stats(
+            num_running=3,
+            num_waiting=2,
+            kv_cache_usage=0.4125,
+            prefix_cache_queries=400,
+            prefix_cache_hits=100,
+            num_preemptions=1,
+        )
+    )
     assert logger.log(now=110.0) == (
         "Avg generation throughput: 50.0 tokens/s, Running: 3 reqs, Waiting: 2 reqs, "
         "KV cache usage: 41.2%, Prefix cache hit rate: 25.0%, Finished: 1 reqs, "
-        "Preemptions: 1")
+        "Preemptions: 1"
+    )
 
 
 def test_stats_line_appends_draft_acceptance_with_speculative_decoding(metrics):
     logger = metrics.stats_logger
     logger.log(now=0.0)
     metrics.observe_tokens(10)
-    metrics.observe_engine(Stats(num_running=1, spec_num_drafts=4, spec_num_draft_tokens=16,
-                                 spec_num_accepted_tokens=6, spec_mean_accepted_length=2.5,
-                                 spec_accepted_per_position=[4, 2]))
+    metrics.observe_engine(
+        Stats(
+            num_running=1,
+            spec_num_drafts=4,
+            spec_num_draft_tokens=16,
+            spec_num_accepted_tokens=6,
+            spec_mean_accepted_length=2.5,
+            spec_accepted_per_position=[4, 2],
+        )
+    )
     assert logger.log(now=10.0).endswith(
-        "Preemptions: 0, Draft acceptance rate: 37.5%, Mean accepted length: 2.50")
+        "Preemptions: 0, Draft acceptance rate: 37.5%, Mean accepted length: 2.50"
+    )
 
 
 def test_stats_line_is_written_once_more_after_the_engine_drains_then_stays_quiet(metrics):
@@ -85,8 +102,9 @@ def test_stats_line_is_written_once_more_after_the_engine_drains_then_stays_quie
     metrics.observe_engine(Stats(num_running=1))
     assert "Running: 1 reqs" in logger.log(now=20.0)
     metrics.observe_engine(Stats())  # went idle between two lines
-    assert logger.log(now=30.0).startswith("Avg generation throughput: 0.0 tokens/s, "
-                                           "Running: 0 reqs, Waiting: 0 reqs")
+    assert logger.log(now=30.0).startswith(
+        "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs"
+    )
     assert logger.log(now=40.0) is None
     metrics.observe_tokens(5)  # a short burst that finished between two lines
     assert "Avg generation throughput: 0.5 tokens/s, Running: 0 reqs" in logger.log(now=50.0)
@@ -110,13 +128,22 @@ def test_periodic_line_is_logged_at_info_by_its_own_thread(caplog):
 
 def test_a_finished_request_gets_one_debug_line_with_its_latencies(metrics, caplog):
     caplog.set_level(logging.DEBUG, logger="tokenbudget.server.stats")
-    metrics.observe_finished(Timing(10.0, 10.25, 11), 11.25, request_id="req-7",
-                             num_prompt_tokens=42, finish_reason="length")
+    metrics.observe_finished(
+        Timing(10.0, 10.25, 11),
+        11.25,
+        request_id="req-7",
+        num_prompt_tokens=42,
+        finish_reason="length",
+    )
     metrics.observe_finished(Timing(10.0, None, 0), 10.5)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.DEBUG, "request req-7 finished (length): prompt 42 tokens, output 11 tokens, "
-                        "TTFT 250.0 ms, TPOT 100.0 ms, e2e 1.250 s"),
-        (logging.DEBUG, "request finished: output 0 tokens, e2e 0.500 s")]
+        (
+            logging.DEBUG,
+            "request req-7 finished (length): prompt 42 tokens, output 11 tokens, "
+            "TTFT 250.0 ms, TPOT 100.0 ms, e2e 1.250 s",
+        ),
+        (logging.DEBUG, "request finished: output 0 tokens, e2e 0.500 s"),
+    ]
 
 
 def test_no_request_line_above_debug_level(metrics, caplog):
@@ -128,12 +155,25 @@ def test_no_request_line_above_debug_level(metrics, caplog):
 def test_host_kv_tier_gauges_and_counters_follow_the_engine_stats(metrics):
     value = metrics.registry.get_sample_value
     labels = {"model_name": "tiny"}
-    metrics.observe_engine(Stats(num_offload_blocks=64, offload_blocks_used=10,
-                                 num_swapped_requests=2, num_recomputed_tokens=5,
-                                 kv_swap_out_blocks=12, kv_swap_in_blocks=3))
-    metrics.observe_engine(Stats(num_offload_blocks=64, offload_blocks_used=4,
-                                 num_recomputed_tokens=7, kv_swap_out_blocks=12,
-                                 kv_swap_in_blocks=9))
+    metrics.observe_engine(
+        Stats(
+            num_offload_blocks=64,
+            offload_blocks_used=10,
+            num_swapped_requests=2,
+            num_recomputed_tokens=5,
+            kv_swap_out_blocks=12,
+            kv_swap_in_blocks=3,
+        )
+    )
+    metrics.observe_engine(
+        Stats(
+            num_offload_blocks=64,
+            offload_blocks_used=4,
+            num_recomputed_tokens=7,
+            kv_swap_out_blocks=12,
+            kv_swap_in_blocks=9,
+        )
+    )
     assert value("tokenbudget:kv_offload_blocks_used", labels) == 4
     assert value("tokenbudget:kv_offload_blocks_free", labels) == 60
     assert value("tokenbudget:num_requests_swapped", labels) == 0

@@ -1,5 +1,6 @@
 """The overlap (async) loop and the plain loop give identical tokens, in
 process and over a gRPC worker, with chunking and a forced preemption."""
+
 from __future__ import annotations
 
 import random
@@ -19,16 +20,21 @@ def _workload() -> list[Request]:
     reqs = []
     for i, (n, m) in enumerate([(5, 20), (40, 8), (17, 24), (3, 1), (29, 16), (9, 12)]):
         ids = [rng.randrange(3, 1000) for _ in range(n)]
-        reqs.append(Request(f"r{i}", ids, SamplingParams(max_tokens=m, temperature=0.0,
-                                                         ignore_eos=True)))
+        reqs.append(
+            Request(f"r{i}", ids, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        )
     return reqs
 
 
 def _run(executor, async_scheduling: bool) -> tuple[dict[str, list[int]], int]:
     """The workload's tokens and the number of preemptions. ``executor`` may
     be an OverlapRecorder, which then holds the order of steps."""
-    sched = SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=8, max_model_len=128,
-                            async_scheduling=async_scheduling)
+    sched = SchedulerConfig(
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        max_model_len=128,
+        async_scheduling=async_scheduling,
+    )
     core = EngineCore(sched, CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), executor)
     try:
         for r in _workload():
@@ -57,7 +63,8 @@ def reference(tiny_model):
 
 
 def test_async_in_process_loop_overlaps_steps_and_gives_the_sync_tokens(
-        tiny_model, reference, overlap_recorder):
+    tiny_model, reference, overlap_recorder
+):
     import threading
 
     from tokenbudget.server.executor.inprocess import InProcessExecutor
@@ -82,14 +89,14 @@ def test_async_in_process_loop_overlaps_steps_and_gives_the_sync_tokens(
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
-        tiny_model, reference, overlap_recorder, async_scheduling):
+    tiny_model, reference, overlap_recorder, async_scheduling
+):
     from tokenbudget.worker.grpc_worker import serve
     from tokenbudget.server.executor.remote import RemoteExecutor
 
     server, port, _ = serve("127.0.0.1", 0)
     try:
-        executor = overlap_recorder(
-            RemoteExecutor([f"127.0.0.1:{port}"], tiny_model, device="cpu"))
+        executor = overlap_recorder(RemoteExecutor([f"127.0.0.1:{port}"], tiny_model, device="cpu"))
         assert _run(executor, async_scheduling)[0] == reference
     finally:
         server.stop(0)
@@ -100,7 +107,8 @@ def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
 
 
 def test_two_remote_workers_run_every_step_in_lockstep_and_give_the_sync_tokens(
-        tiny_model, reference, overlap_recorder, monkeypatch):
+    tiny_model, reference, overlap_recorder, monkeypatch
+):
     from tokenbudget.worker.grpc_worker import serve
     from tokenbudget.server.executor.remote import RemoteExecutor
     from tokenbudget.worker.worker import Worker
@@ -115,8 +123,11 @@ def test_two_remote_workers_run_every_step_in_lockstep_and_give_the_sync_tokens(
     monkeypatch.setattr(Worker, "execute_model", execute_model)
     servers = [serve("127.0.0.1", 0) for _ in range(2)]
     try:
-        executor = overlap_recorder(RemoteExecutor(
-            [f"127.0.0.1:{port}" for _, port, _ in servers], tiny_model, device="cpu"))
+        executor = overlap_recorder(
+            RemoteExecutor(
+                [f"127.0.0.1:{port}" for _, port, _ in servers], tiny_model, device="cpu"
+            )
+        )
         assert _run(executor, True)[0] == reference
     finally:
         for server, _, _ in servers:

@@ -6,6 +6,7 @@ reason, the server stays up and reports NOT_SERVING, rank 0 exits instead of
 hanging, and once both ranks are restarted the server reconnects and serves
 again. The kill test stays last in this file.
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,19 +26,43 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def spawn_ranks(dist_init: str, port: int) -> list:
-    rank = [sys.executable, "-m", "tokenbudget.worker", "--world-size", "2", "--dist-init",
-            dist_init, "--threads", "1", "--dist-timeout", "30", "--host", "127.0.0.1"]
-    return [spawn("rank0", [*rank, "--rank", "0", "--port", str(port)]),
-            spawn("rank1", [*rank, "--rank", "1"])]
+    rank = [
+        sys.executable,
+        "-m",
+        "tokenbudget.worker",
+        "--world-size",
+        "2",
+        "--dist-init",
+        dist_init,
+        "--threads",
+        "1",
+        "--dist-timeout",
+        "30",
+        "--host",
+        "127.0.0.1",
+    ]
+    return [
+        spawn("rank0", [*rank, "--rank", "0", "--port", str(port)]),
+        spawn("rank1", [*rank, "--rank", "1"]),
+    ]
 
 
 @pytest.fixture(scope="module")
 def tp_cluster(tiny_model):
     dist_init, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    procs = [*spawn_ranks(dist_init, port),
-             spawn_server("tp-server", tiny_model, "--worker", f"127.0.0.1:{port}",
-                          "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-                          "--num-gpu-blocks", "512")]
+    procs = [
+        *spawn_ranks(dist_init, port),
+        spawn_server(
+            "tp-server",
+            tiny_model,
+            "--worker",
+            f"127.0.0.1:{port}",
+            "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS),
+            "--num-gpu-blocks",
+            "512",
+        ),
+    ]
     try:
         procs[0].wait_listening()
         procs[2].wait_listening()
@@ -51,14 +76,17 @@ def tp_cluster(tiny_model):
         p.stop()
 
 
-def test_two_host_group_behind_a_server_generates_what_the_in_process_llm_does(tp_cluster,
-                                                                                oracle):
-    prompts = ["Hello!", "Paged attention stores keys and values in fixed-size blocks. " * 3,
-               "def fibonacci(n: int) -> int:"]
+def test_two_host_group_behind_a_server_generates_what_the_in_process_llm_does(tp_cluster, oracle):
+    prompts = [
+        "Hello!",
+        "Paged attention stores keys and values in fixed-size blocks. " * 3,
+        "def fibonacci(n: int) -> int:",
+    ]
     want = [r.token_ids for r in oracle.generate(prompts, GREEDY)]
     got: dict[int, list[int]] = {}
     procs, _ = tp_cluster
     with Client(procs[2].address) as c:
+
         def run(i: int) -> None:
             got[i] = c.generate(prompts[i], GREEDY).token_ids
 
@@ -71,8 +99,9 @@ def test_two_host_group_behind_a_server_generates_what_the_in_process_llm_does(t
     assert "rank 1: loading" in "".join(procs[1].log)  # rank 1 did its share
 
 
-def test_killing_a_rank_fails_in_flight_requests_and_restarted_ranks_serve_again(tp_cluster,
-                                                                                 oracle):
+def test_killing_a_rank_fails_in_flight_requests_and_restarted_ranks_serve_again(
+    tp_cluster, oracle
+):
     procs, (dist_init, port) = tp_cluster
     rank0, rank1, server = procs
     params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
@@ -115,5 +144,7 @@ def test_killing_a_rank_fails_in_flight_requests_and_restarted_ranks_serve_again
     procs[:2] = spawn_ranks(dist_init, port)
     wait_serving(server.address, timeout=120)
     with Client(server.address) as c:
-        assert c.generate("Hello!", GREEDY).token_ids == oracle.generate(["Hello!"], GREEDY)[0] \
-            .token_ids
+        assert (
+            c.generate("Hello!", GREEDY).token_ids
+            == oracle.generate(["Hello!"], GREEDY)[0].token_ids
+        )

@@ -1,5 +1,6 @@
 """Chat with an image through a real `server` process serving a tiny
 Qwen2.5-VL, against the in-process LLM (skipped until the runner runs VL models)."""
+
 from __future__ import annotations
 
 import io
@@ -23,8 +24,17 @@ def test_streamed_chat_with_an_image_equals_in_process_llm(vl_server, tiny_vl_mo
     from tokenbudget.server.entrypoints.llm import LLM
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    chat = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Describe the image."}, {"type": "image", "image": _png(0)}]}]}
+    chat = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe the image."},
+                    {"type": "image", "image": _png(0)},
+                ],
+            }
+        ]
+    }
     llm = LLM(tiny_vl_model, max_num_batched_tokens=64)
     try:
         want = llm.generate(chat, params)[0]

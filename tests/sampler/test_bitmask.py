@@ -1,4 +1,5 @@
 """apply_token_bitmask: xgrammar's kernel and the torch fallback agree with the bit layout."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,12 @@ import xgrammar
 
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.worker import sampler
-from tokenbudget.worker.sampler import (Sampler, SamplingMetadata, apply_token_bitmask,
-                                        apply_token_bitmask_torch)
+from tokenbudget.worker.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_token_bitmask,
+    apply_token_bitmask_torch,
+)
 
 
 def _random_bitmask(rows: int, vocab: int, density: float, seed: int) -> torch.Tensor:
@@ -22,8 +27,9 @@ def _random_bitmask(rows: int, vocab: int, density: float, seed: int) -> torch.T
 def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """Bit j of word w allows token 32*w + j, read one token at a time."""
     words = bitmask.tolist()
-    return torch.tensor([[(row[t // 32] & 0xFFFFFFFF) >> (t % 32) & 1 == 1
-                          for t in range(vocab)] for row in words])
+    return torch.tensor(
+        [[(row[t // 32] & 0xFFFFFFFF) >> (t % 32) & 1 == 1 for t in range(vocab)] for row in words]
+    )
 
 
 @pytest.mark.parametrize("vocab", [96, 100])  # a multiple of 32, and a ragged last word
@@ -51,8 +57,11 @@ def test_disallowed_tokens_are_never_sampled():
     bitmask = _random_bitmask(rows, vocab, density=0.1, seed=1)
     allowed = _reference_allowed(bitmask, vocab)
     apply_token_bitmask(logits, bitmask)
-    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-             SamplingParams(temperature=2.0, top_k=50, top_p=0.99)]
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=2.0, top_k=50, top_p=0.99),
+    ]
     params = [kinds[i % 3] for i in range(rows)]
     md = SamplingMetadata.from_params(params, [None] * rows, "cpu")
     tokens = Sampler()(logits, md).sampled_token_ids

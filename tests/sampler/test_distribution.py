@@ -1,4 +1,5 @@
 """Random rows sample exactly softmax(logits / temperature)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """top-k, top-p and min-p keep exactly the allowed set of a naive per-row reference, and sample
 the renormalised distribution inside it."""
+
 from __future__ import annotations
 
 import math
@@ -64,8 +65,11 @@ def test_filters_never_emit_tokens_outside_the_reference_set():
     vocab, repeats = 32, 1000
     rng = random.Random(7)
     torch.manual_seed(7)
-    cases = [(p, [rng.gauss(0.0, 2.0) for _ in range(vocab)], seeded)
-             for p in FILTER_CASES for seeded in (False, True)]
+    cases = [
+        (p, [rng.gauss(0.0, 2.0) for _ in range(vocab)], seeded)
+        for p in FILTER_CASES
+        for seeded in (False, True)
+    ]
     # Every case repeated, interleaved with greedy rows, seeded rows alongside unseeded ones.
     params, generators, logits = [], [], []
     for r in range(repeats):
@@ -88,7 +92,7 @@ def test_filters_never_emit_tokens_outside_the_reference_set():
         # Too strict a filter shows too: every allowed token with >= 1% mass turns up in 1000.
         likely = {t for t, q in allowed.items() if q >= 0.01}
         assert likely <= emitted, f"{p} (seeded={seeded}) never emitted {likely - emitted}"
-    assert torch.equal(tokens[stride - 1::stride], logits_t[stride - 1::stride].argmax(dim=-1))
+    assert torch.equal(tokens[stride - 1 :: stride], logits_t[stride - 1 :: stride].argmax(dim=-1))
 
 
 def test_filtered_rows_sample_the_renormalised_distribution(assert_matches_distribution):

@@ -1,4 +1,5 @@
 """Greedy rows take the argmax; logprobs are log_softmax of the raw logits."""
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,10 @@ def test_greedy_rows_in_a_mixed_batch_return_argmax():
 def test_logprobs_are_log_softmax_of_raw_logits_at_sampled_and_top_ids():
     logits = torch.randn(24, VOCAB) * 3
     # Temperature and filters change what is sampled, never the reported logprobs.
-    params = [SamplingParams(temperature=t, top_k=k, logprobs=n)
-              for t, k, n in [(0.0, -1, 5), (0.5, 20, 2), (1.5, -1, None)] * 8]
+    params = [
+        SamplingParams(temperature=t, top_k=k, logprobs=n)
+        for t, k, n in [(0.0, -1, 5), (0.5, 20, 2), (1.5, -1, None)] * 8
+    ]
     out = _sample(logits, params)
     reference = torch.log_softmax(logits, dim=-1)
     assert out.logprobs_token_ids.shape == out.logprobs.shape == (24, 6)

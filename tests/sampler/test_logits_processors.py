@@ -1,6 +1,7 @@
 """Penalties, logit_bias, allowed_token_ids and bad words change the logits exactly as
 transformers' RepetitionPenaltyLogitsProcessor and a naive per-row reference do, only in the rows
 that use them; the sampler picks from the processed logits but reports raw logprobs."""
+
 from __future__ import annotations
 
 import random
@@ -17,8 +18,9 @@ from tokenbudget.worker.sampler import Sampler, SamplingMetadata, make_generator
 VOCAB = 64
 
 
-def make_history(prompts: list[list[int]], outputs: list[list[int]],
-                 vocab: int = VOCAB) -> TokenHistory:
+def make_history(
+    prompts: list[list[int]], outputs: list[list[int]], vocab: int = VOCAB
+) -> TokenHistory:
     """The rows' tokens in a batch-like array: rows in reverse order, stale tokens after them
     (padding must never read as history)."""
     rng = np.random.default_rng(0)
@@ -27,12 +29,13 @@ def make_history(prompts: list[list[int]], outputs: list[list[int]],
     token_ids = rng.integers(0, vocab, size=(n + 2, max(lengths) + 8))
     rows = np.arange(n)[::-1] + 1
     for row, p, o in zip(rows, prompts, outputs):
-        token_ids[row, :len(p) + len(o)] = p + o
+        token_ids[row, : len(p) + len(o)] = p + o
     return TokenHistory(token_ids, rows, np.array([len(p) for p in prompts]), np.array(lengths))
 
 
-def reference(logits: list[float], p: SamplingParams, prompt: list[int],
-              output: list[int]) -> torch.Tensor:
+def reference(
+    logits: list[float], p: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
     """Naive, one row: allowed ids, bad words, logit_bias, repetition (transformers' own
     processor), then frequency and presence over the output, in vLLM's order."""
     x = list(logits)
@@ -40,14 +43,15 @@ def reference(logits: list[float], p: SamplingParams, prompt: list[int],
         x = [v if t in p.allowed_token_ids else float("-inf") for t, v in enumerate(x)]
     for word in p.bad_words_token_ids or ():
         prefix = word[:-1]
-        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
             x[word[-1]] = float("-inf")
     for t, b in (p.logit_bias or {}).items():
         x[t] += b
     row = torch.tensor([x])
     if p.repetition_penalty != 1.0:
         row = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
-            torch.tensor([prompt + output]), row)
+            torch.tensor([prompt + output]), row
+        )
     x = row[0].tolist()
     for t in set(output):
         x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
@@ -57,15 +61,15 @@ def reference(logits: list[float], p: SamplingParams, prompt: list[int],
 def random_case(rng: random.Random, n: int):
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(n)]
     # Small vocabulary, long histories: tokens repeat, so counts above 1 are common.
-    outputs = [[rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 5, 30]))]
-               for _ in range(n)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 5, 30]))] for _ in range(n)]
     logits = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(99)))
     return prompts, outputs, logits * 4
 
 
 def processed(logits, params, prompts, outputs):
-    md = SamplingMetadata.from_params(params, [None] * len(params), "cpu",
-                                      make_history(prompts, outputs))
+    md = SamplingMetadata.from_params(
+        params, [None] * len(params), "cpu", make_history(prompts, outputs)
+    )
     return md.processors.apply(logits)
 
 
@@ -73,15 +77,18 @@ def processed(logits, params, prompts, outputs):
 def test_repetition_penalty_equals_transformers_processor(seed):
     rng = random.Random(seed)
     penalties = [1.0, 1.3, 0.7, 2.0, 1.0, 1.05]
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, repetition_penalty=r)
-              for i, r in enumerate(penalties)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, repetition_penalty=r)
+        for i, r in enumerate(penalties)
+    ]
     prompts, outputs, logits = random_case(rng, len(params))
     raw = logits.clone()
     out = processed(logits, params, prompts, outputs)
     assert torch.equal(logits, raw)  # on a copy
     for j, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
         expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
-            torch.tensor([prompt + output]), logits[j:j + 1].clone())[0]
+            torch.tensor([prompt + output]), logits[j : j + 1].clone()
+        )[0]
         assert torch.equal(out[j], expected), j
         if p.repetition_penalty == 1.0:
             assert torch.equal(out[j], logits[j])
@@ -97,10 +104,21 @@ PROCESSOR_CASES = [
     SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 3, 5, 8, 13, 21]),
     SamplingParams(temperature=1.0, bad_words_token_ids=[[4], [9, 10], [11, 12, 13]]),
     SamplingParams(temperature=0.7),
-    SamplingParams(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.3,
-                   presence_penalty=0.2, logit_bias={0: 2.0}),
-    SamplingParams(temperature=1.2, repetition_penalty=0.8, allowed_token_ids=[0, 1, 2, 40],
-                   bad_words_token_ids=[[1]], logit_bias={2: 1.0}, frequency_penalty=2.0),
+    SamplingParams(
+        temperature=0.0,
+        repetition_penalty=1.4,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        logit_bias={0: 2.0},
+    ),
+    SamplingParams(
+        temperature=1.2,
+        repetition_penalty=0.8,
+        allowed_token_ids=[0, 1, 2, 40],
+        bad_words_token_ids=[[1]],
+        logit_bias={2: 1.0},
+        frequency_penalty=2.0,
+    ),
 ]
 
 
@@ -137,23 +155,35 @@ def test_greedy_rows_pick_the_argmax_of_the_processed_logits():
 
 def test_random_rows_sample_only_allowed_tokens_and_never_banned_ones():
     allowed = [2, 3, 5, 7]
-    params = [SamplingParams(temperature=1.5, allowed_token_ids=allowed,
-                             bad_words_token_ids=[[5], [9, 3]], seed=i) for i in range(400)]
+    params = [
+        SamplingParams(
+            temperature=1.5, allowed_token_ids=allowed, bad_words_token_ids=[[5], [9, 3]], seed=i
+        )
+        for i in range(400)
+    ]
     prompts = [[1]] * len(params)
     outputs = [[9]] * len(params)  # [9, 3] fires: 3 is banned too
     logits = torch.zeros(len(params), VOCAB)
-    md = SamplingMetadata.from_params(params, [make_generator(i, "cpu") for i in range(400)],
-                                      "cpu", make_history(prompts, outputs))
+    md = SamplingMetadata.from_params(
+        params,
+        [make_generator(i, "cpu") for i in range(400)],
+        "cpu",
+        make_history(prompts, outputs),
+    )
     tokens = Sampler()(logits, md).sampled_token_ids
     assert set(tokens.tolist()) == {2, 7}
 
 
-def test_biased_and_penalised_rows_sample_the_processed_distribution(
-        assert_matches_distribution):
+def test_biased_and_penalised_rows_sample_the_processed_distribution(assert_matches_distribution):
     vocab, n = 6, 6000
     row = [0.5, 1.0, -0.3, 0.2, 0.0, -1.0]
-    p = SamplingParams(temperature=0.8, repetition_penalty=1.6, frequency_penalty=0.4,
-                       presence_penalty=0.3, logit_bias={5: 1.5})
+    p = SamplingParams(
+        temperature=0.8,
+        repetition_penalty=1.6,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+        logit_bias={5: 1.5},
+    )
     prompt, output = [0, 2], [1, 1, 3]
     expected = (reference(row, p, prompt, output) / p.temperature).softmax(-1).tolist()
     history = make_history([prompt] * n, [output] * n, vocab)
@@ -170,33 +200,42 @@ def test_rows_without_processors_sample_as_if_the_others_had_none():
     rng = random.Random(3)
     params = PROCESSOR_CASES * 2
     prompts, outputs, logits = random_case(rng, len(params))
-    seeded = [SamplingParams(temperature=p.temperature, logprobs=3, seed=j)
-              for j, p in enumerate(params)]
-    with_processors = [SamplingParams(**{**p.to_dict(), "logprobs": 3, "seed": j})
-                       for j, p in enumerate(params)]
+    seeded = [
+        SamplingParams(temperature=p.temperature, logprobs=3, seed=j) for j, p in enumerate(params)
+    ]
+    with_processors = [
+        SamplingParams(**{**p.to_dict(), "logprobs": 3, "seed": j}) for j, p in enumerate(params)
+    ]
 
     def run(batch):
-        md = SamplingMetadata.from_params(batch, [make_generator(j, "cpu") for j in
-                                                  range(len(batch))], "cpu",
-                                          make_history(prompts, outputs))
+        md = SamplingMetadata.from_params(
+            batch,
+            [make_generator(j, "cpu") for j in range(len(batch))],
+            "cpu",
+            make_history(prompts, outputs),
+        )
         return Sampler()(logits, md)
 
     raw = torch.log_softmax(logits, dim=-1)
     plain, processed_out = run(seeded), run(with_processors)
     untouched = [0, 7, 10, 17]
-    assert torch.equal(plain.sampled_token_ids[untouched],
-                       processed_out.sampled_token_ids[untouched])
+    assert torch.equal(
+        plain.sampled_token_ids[untouched], processed_out.sampled_token_ids[untouched]
+    )
     assert not torch.equal(plain.sampled_token_ids, processed_out.sampled_token_ids)
     assert torch.equal(processed_out.logprobs, raw.gather(1, processed_out.logprobs_token_ids))
 
 
-@pytest.mark.parametrize("output, banned", [
-    ([], {4}),                 # a one-token word is always banned; [7] in the prompt counts not
-    ([9], {4, 10}),            # the output ends with [9]
-    ([9, 1], {4}),             # ... no longer
-    ([11, 12], {4, 13}),       # a three-token word's prefix
-    ([12], {4}),               # only part of that prefix
-])
+@pytest.mark.parametrize(
+    "output, banned",
+    [
+        ([], {4}),  # a one-token word is always banned; [7] in the prompt counts not
+        ([9], {4, 10}),  # the output ends with [9]
+        ([9, 1], {4}),  # ... no longer
+        ([11, 12], {4, 13}),  # a three-token word's prefix
+        ([12], {4}),  # only part of that prefix
+    ],
+)
 def test_bad_word_bans_its_last_token_right_after_its_prefix(output, banned):
     p = SamplingParams(temperature=0.0, bad_words_token_ids=[[4], [9, 10], [11, 12, 13], [7, 8]])
     logits = torch.zeros(1, VOCAB)

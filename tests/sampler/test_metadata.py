@@ -1,4 +1,5 @@
 """SamplingMetadata.from_params turns per-request params into batch tensors."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,10 @@ from tokenbudget.worker.sampler import SamplingMetadata, make_generator
 
 
 def test_unused_filters_are_none_and_greedy_rows_are_neutral():
-    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.5, seed=1),
-              SamplingParams(temperature=0.8)]
+    params = [
+        SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.5, seed=1),
+        SamplingParams(temperature=0.8),
+    ]
     generators = [make_generator(1, "cpu"), None]
     md = SamplingMetadata.from_params(params, generators, "cpu")
     # The greedy row's filters and seed do not count: nothing needs filtering or a generator.
@@ -21,9 +24,11 @@ def test_unused_filters_are_none_and_greedy_rows_are_neutral():
 
 
 def test_filter_tensors_hold_random_rows_values():
-    params = [SamplingParams(temperature=0.5, top_k=7, logprobs=2),
-              SamplingParams(temperature=0.0, top_k=3, logprobs=4),
-              SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=3)]
+    params = [
+        SamplingParams(temperature=0.5, top_k=7, logprobs=2),
+        SamplingParams(temperature=0.0, top_k=3, logprobs=4),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=3),
+    ]
     gen = make_generator(3, "cpu")
     md = SamplingMetadata.from_params(params, [None, None, gen], "cpu")
     assert md.temperature.tolist() == pytest.approx([0.5, 0.0, 1.0])
@@ -43,4 +48,3 @@ def test_tiny_temperature_counts_as_greedy():
 def test_generator_list_must_match_params():
     with pytest.raises(ValueError, match="generators must have one entry per row"):
         SamplingMetadata.from_params([SamplingParams()] * 2, [None], "cpu")
-

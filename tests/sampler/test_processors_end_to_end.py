@@ -2,14 +2,21 @@
 the tiny Qwen3: greedy tokens equal transformers (generate with repetition_penalty and
 bad_words_ids; a naive loop for frequency and presence), also across async scheduling, chunked
 prefill, preemption and speculative drafts."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tokenbudget.core import (CacheConfig, CachedRequestData, NewRequestData, SamplingParams,
-                              SchedulerConfig, SchedulerOutput)
+from tokenbudget.core import (
+    CacheConfig,
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tokenbudget.server import LLM
 from tokenbudget.worker.model_runner import ModelRunner
 from tokenbudget.worker.sampler import SamplingMetadata
@@ -19,8 +26,9 @@ MAX_TOKENS = 16
 
 def greedy(**kwargs) -> SamplingParams:
     kwargs.setdefault("max_tokens", MAX_TOKENS)
-    return SamplingParams(temperature=0.0, min_tokens=kwargs["max_tokens"], ignore_eos=True,
-                          **kwargs)
+    return SamplingParams(
+        temperature=0.0, min_tokens=kwargs["max_tokens"], ignore_eos=True, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +41,15 @@ def prompts() -> list[list[int]]:
 def hf_generate(hf_model):
     def generate(prompt: list[int], max_new_tokens: int = MAX_TOKENS, **kwargs) -> list[int]:
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                    min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
-        return out[0, len(prompt):].tolist()
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                **kwargs,
+            )
+        return out[0, len(prompt) :].tolist()
+
     return generate
 
 
@@ -58,11 +72,14 @@ def generate(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
 PENALTIES = (1.5, 2.0, 1.0, 1.2, 0.7)
 
 
-@pytest.mark.parametrize("engine_args", [
-    {}, {"async_scheduling": True}, {"max_num_batched_tokens": 64, "block_size": 4},
-], ids=["one-batch", "async", "chunked-prefill"])
-def test_greedy_repetition_penalty_equals_transformers_generate(tiny_qwen3_path, prompts,
-                                                                hf_generate, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"async_scheduling": True}, {"max_num_batched_tokens": 64, "block_size": 4}],
+    ids=["one-batch", "async", "chunked-prefill"],
+)
+def test_greedy_repetition_penalty_equals_transformers_generate(
+    tiny_qwen3_path, prompts, hf_generate, engine_args
+):
     expected = [hf_generate(p, repetition_penalty=r) for p, r in zip(prompts, PENALTIES)]
     assert expected != [hf_generate(p) for p in prompts]  # the penalty changes the output
     llm = make_llm(tiny_qwen3_path, **engine_args)
@@ -80,8 +97,9 @@ def test_repetition_penalty_survives_preemption(tiny_qwen3_path, hf_generate):
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
 
 
-def naive_penalised_generate(hf_model, prompt: list[int], frequency: float, presence: float,
-                             bias: dict[int, float]) -> list[int]:
+def naive_penalised_generate(
+    hf_model, prompt: list[int], frequency: float, presence: float, bias: dict[int, float]
+) -> list[int]:
     """Greedy, full forward each step, logit_bias and OpenAI's penalties over the output by
     hand."""
     output: list[int] = []
@@ -96,8 +114,9 @@ def naive_penalised_generate(hf_model, prompt: list[int], frequency: float, pres
     return output
 
 
-def test_greedy_frequency_and_presence_penalties_equal_a_naive_loop(llm, prompts, hf_model,
-                                                                    hf_generate):
+def test_greedy_frequency_and_presence_penalties_equal_a_naive_loop(
+    llm, prompts, hf_model, hf_generate
+):
     """A token favoured by logit_bias +3 repeats: presence 1.0 takes 1 from it once, so it stays
     ahead to the end; frequency 1.0 takes 1 per occurrence, so it comes back a few times and
     then yields. Each prompt runs frequency only, presence only and both, in one batch.
@@ -109,21 +128,29 @@ def test_greedy_frequency_and_presence_penalties_equal_a_naive_loop(llm, prompts
     rows = [(p, {hf_generate(p, 1)[0]: 3.0}, f, pr) for p in chosen for f, pr in settings]
     expected = [naive_penalised_generate(hf_model, p, f, pr, bias) for p, bias, f, pr in rows]
     for k in range(0, len(rows), len(settings)):
-        frequency_only, presence_only, _ = expected[k:k + len(settings)]
+        frequency_only, presence_only, _ = expected[k : k + len(settings)]
         assert frequency_only != presence_only
         (favoured,) = rows[k][1]
         # The favoured token repeats under both: the count is what tells them apart.
         assert 1 < frequency_only.count(favoured) < presence_only.count(favoured)
-    params = [greedy(frequency_penalty=f, presence_penalty=pr, logit_bias=bias)
-              for _, bias, f, pr in rows]
+    params = [
+        greedy(frequency_penalty=f, presence_penalty=pr, logit_bias=bias) for _, bias, f, pr in rows
+    ]
     assert generate(llm, [p for p, *_ in rows], params) == expected
 
 
 def test_logit_bias_forces_its_token(llm, prompts):
     forced = 777
-    params = [greedy(logit_bias={forced: 100.0}),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True,
-                             logit_bias={forced: 100.0})]
+    params = [
+        greedy(logit_bias={forced: 100.0}),
+        SamplingParams(
+            temperature=1.0,
+            seed=3,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            logit_bias={forced: 100.0},
+        ),
+    ]
     assert generate(llm, prompts[:2], params) == [[forced] * MAX_TOKENS] * 2
 
 
@@ -146,7 +173,7 @@ def test_bad_words_are_never_generated(llm, prompts, hf_generate):
     params = [greedy(bad_words_token_ids=[[single]]), greedy(bad_words_token_ids=[[single], pair])]
     assert generate(llm, [prompt, prompt], params) == [only_single, expected]
     assert single not in expected
-    assert all(expected[i:i + 2] != pair for i in range(len(expected) - 1))
+    assert all(expected[i : i + 2] != pair for i in range(len(expected) - 1))
 
 
 @pytest.mark.parametrize("favoured", ["eos", "stop_id"])
@@ -155,16 +182,21 @@ def test_min_tokens_masks_eos_and_stop_ids_like_generate(llm, prompts, hf_model,
     them too); biased to the top, the first one allowed ends the request right at min_tokens."""
     eos, stop_id = hf_model.generation_config.eos_token_id, 5
     bias = {eos: 50.0, stop_id: 60.0 if favoured == "stop_id" else 40.0}
-    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, logit_bias=bias,
-                            stop_token_ids=[stop_id])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, min_tokens=6, logit_bias=bias, stop_token_ids=[stop_id]
+    )
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
             out = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=6, do_sample=False,
+                torch.tensor([prompt]),
+                max_new_tokens=12,
+                min_new_tokens=6,
+                do_sample=False,
                 eos_token_id=[eos, stop_id],
-                sequence_bias={(t,): b for t, b in bias.items()})
-        expected = out[0, len(prompt):].tolist()
+                sequence_bias={(t,): b for t, b in bias.items()},
+            )
+        expected = out[0, len(prompt) :].tolist()
         assert result.token_ids == expected
         assert len(expected) == 7 and expected[-1] == (eos if favoured == "eos" else stop_id)
         assert result.finish_reason == "stop"
@@ -172,8 +204,16 @@ def test_min_tokens_masks_eos_and_stop_ids_like_generate(llm, prompts, hf_model,
 
 def test_allowed_token_ids_hold_at_temperature_one(llm, prompts):
     allowed = [11, 97, 400, 401, 1000]
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True,
-                             allowed_token_ids=allowed) for s in range(4)]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            allowed_token_ids=allowed,
+        )
+        for s in range(4)
+    ]
     outputs = generate(llm, prompts[:4], params)
     seen = {t for out in outputs for t in out}
     assert seen <= set(allowed)
@@ -187,36 +227,52 @@ BS = 16
 @pytest.fixture
 def runner(tiny_qwen3_path):
     r = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa")
-    r.initialize_kv_cache(CacheConfig(block_size=BS, num_blocks=64),
-                          SchedulerConfig(max_num_seqs=4, max_model_len=256))
+    r.initialize_kv_cache(
+        CacheConfig(block_size=BS, num_blocks=64),
+        SchedulerConfig(max_num_seqs=4, max_model_len=256),
+    )
     return r
 
 
-def prefill(runner: ModelRunner, requests: dict[str, tuple[list[int], SamplingParams]]
-            ) -> list[list[int]]:
+def prefill(
+    runner: ModelRunner, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> list[list[int]]:
     """Whole prompts in one step; each request's first token."""
     # 8 blocks of 16 tokens each: room for prompts of up to 100 tokens and their drafts.
-    new = [NewRequestData(rid, prompt, [], params, list(range(1 + 8 * i, 9 + 8 * i)), 0)
-           for i, (rid, (prompt, params)) in enumerate(requests.items())]
+    new = [
+        NewRequestData(rid, prompt, [], params, list(range(1 + 8 * i, 9 + 8 * i)), 0)
+        for i, (rid, (prompt, params)) in enumerate(requests.items())
+    ]
     num_tokens = {n.req_id: len(n.prompt_token_ids) for n in new}
-    out = runner.execute_model(SchedulerOutput(new, CachedRequestData(), num_tokens,
-                                               sum(num_tokens.values())))
+    out = runner.execute_model(
+        SchedulerOutput(new, CachedRequestData(), num_tokens, sum(num_tokens.values()))
+    )
     return out.sampled_token_ids
 
 
 def verify(runner: ModelRunner, requests: dict[str, tuple[int, list[int]]]) -> list[list[int]]:
     """One decode step; `requests`: id -> (num_computed_tokens, drafts). The tokens kept."""
-    cached = CachedRequestData(req_ids=list(requests), new_block_ids=[[] for _ in requests],
-                               num_computed_tokens=[c for c, _ in requests.values()])
+    cached = CachedRequestData(
+        req_ids=list(requests),
+        new_block_ids=[[] for _ in requests],
+        num_computed_tokens=[c for c, _ in requests.values()],
+    )
     num_tokens = {rid: 1 + len(drafts) for rid, (_, drafts) in requests.items()}
-    out = runner.execute_model(SchedulerOutput(
-        [], cached, num_tokens, sum(num_tokens.values()),
-        scheduled_spec_decode_tokens={rid: d for rid, (_, d) in requests.items() if d}))
+    out = runner.execute_model(
+        SchedulerOutput(
+            [],
+            cached,
+            num_tokens,
+            sum(num_tokens.values()),
+            scheduled_spec_decode_tokens={rid: d for rid, (_, d) in requests.items() if d},
+        )
+    )
     return out.sampled_token_ids
 
 
-def test_a_verifying_row_sees_the_drafts_before_it_as_output(runner, prompts, hf_model,
-                                                             hf_generate):
+def test_a_verifying_row_sees_the_drafts_before_it_as_output(
+    runner, prompts, hf_model, hf_generate
+):
     """Bad word [a, b] with a = the draft before the row: the row must ban b, the model's own
     choice, and pick its runner-up instead."""
     prompt = prompts[1]
@@ -230,8 +286,7 @@ def test_a_verifying_row_sees_the_drafts_before_it_as_output(runner, prompts, hf
     assert verify(runner, {"r": (len(prompt), free[1:3])}) == [[free[1], int(logits.argmax())]]
 
 
-def test_greedy_repetition_penalty_with_drafts_equals_transformers(runner, prompts,
-                                                                   hf_generate):
+def test_greedy_repetition_penalty_with_drafts_equals_transformers(runner, prompts, hf_generate):
     """Drafts equal to the penalised reference are all kept, each row penalising the drafts
     before it (and none of another request's) as output."""
     chosen = {"a": prompts[3], "b": prompts[1], "c": prompts[0]}
@@ -239,20 +294,32 @@ def test_greedy_repetition_penalty_with_drafts_equals_transformers(runner, promp
     expected = {rid: hf_generate(p, 10, repetition_penalty=0.7) for rid, p in chosen.items()}
     params = greedy(max_tokens=64, repetition_penalty=0.7)
     assert prefill(runner, {rid: (p, params) for rid, p in chosen.items()}) == [
-        e[:1] for e in expected.values()]
+        e[:1] for e in expected.values()
+    ]
     # b verifies no drafts; a and c verify four, then three.
-    first = verify(runner, {"a": (len(chosen["a"]), expected["a"][1:5]),
-                            "b": (len(chosen["b"]), []),
-                            "c": (len(chosen["c"]), expected["c"][1:5])})
+    first = verify(
+        runner,
+        {
+            "a": (len(chosen["a"]), expected["a"][1:5]),
+            "b": (len(chosen["b"]), []),
+            "c": (len(chosen["c"]), expected["c"][1:5]),
+        },
+    )
     assert first == [expected["a"][1:6], expected["b"][1:2], expected["c"][1:6]]
-    second = verify(runner, {"a": (len(chosen["a"]) + 5, expected["a"][6:9]),
-                             "b": (len(chosen["b"]) + 1, []),
-                             "c": (len(chosen["c"]) + 5, expected["c"][6:9])})
+    second = verify(
+        runner,
+        {
+            "a": (len(chosen["a"]) + 5, expected["a"][6:9]),
+            "b": (len(chosen["b"]) + 1, []),
+            "c": (len(chosen["c"]) + 5, expected["c"][6:9]),
+        },
+    )
     assert second == [expected["a"][6:10], expected["b"][2:3], expected["c"][6:10]]
 
 
-def test_each_row_of_a_step_sees_its_own_output_and_the_drafts_before_it(runner, prompts,
-                                                                         monkeypatch):
+def test_each_row_of_a_step_sees_its_own_output_and_the_drafts_before_it(
+    runner, prompts, monkeypatch
+):
     chosen = {"a": prompts[1], "b": prompts[0], "c": prompts[2]}
     params = greedy(max_tokens=64, presence_penalty=1.0)
     a, b, c = prefill(runner, {rid: (p, params) for rid, p in chosen.items()})
@@ -261,12 +328,22 @@ def test_each_row_of_a_step_sees_its_own_output_and_the_drafts_before_it(runner,
 
     def spy(cls, params, generators, device, history=None, eos_token_ids=None):
         # Read now: the step's kept tokens overwrite the drafts in the batch afterwards.
-        seen.extend((history.output(j).tolist(), int(history.num_prompt_tokens[j]))
-                    for j in range(len(params)))
+        seen.extend(
+            (history.output(j).tolist(), int(history.num_prompt_tokens[j]))
+            for j in range(len(params))
+        )
         return from_params(cls, params, generators, device, history, eos_token_ids)
 
     monkeypatch.setattr(SamplingMetadata, "from_params", classmethod(spy))
     drafts = {"a": [5, 6], "b": [], "c": [7, 8, 9]}
     verify(runner, {rid: (len(p), drafts[rid]) for rid, p in chosen.items()})
-    assert seen == [(a, 16), (a + [5], 16), (a + [5, 6], 16), (b, 3),
-                    (c, 33), (c + [7], 33), (c + [7, 8], 33), (c + [7, 8, 9], 33)]
+    assert seen == [
+        (a, 16),
+        (a + [5], 16),
+        (a + [5, 6], 16),
+        (b, 3),
+        (c, 33),
+        (c + [7], 33),
+        (c + [7, 8], 33),
+        (c + [7, 8, 9], 33),
+    ]

@@ -6,6 +6,7 @@ the exact law of plain sampling: [a] with p0(a) for a != d1, [d1, b] with p0(d1)
 b != d2, [d1, d2, c] with p0(d1) p1(d2) p2(c). A chi-square test at p = 0.001 (a correct
 verifier fails once in a thousand seeds; the seeds here are fixed) checks it, and the same
 check rejects wrong acceptance rules."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,9 +17,13 @@ from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.worker.sampler import Sampler, SamplingMetadata, make_generator
 from tokenbudget.worker.spec_decode import num_accepted
 
-LOGITS = torch.tensor([[1.0, 0.2, -0.5, 0.6],    # p0
-                       [0.1, 1.2, 0.4, -1.0],    # p1, after d1
-                       [-0.3, 0.5, 0.9, 0.0]])   # p2, after d1 d2
+LOGITS = torch.tensor(
+    [
+        [1.0, 0.2, -0.5, 0.6],  # p0
+        [0.1, 1.2, 0.4, -1.0],  # p1, after d1
+        [-0.3, 0.5, 0.9, 0.0],
+    ]
+)  # p2, after d1 d2
 DRAFTS = [0, 2]  # d1 is p0's likeliest token, d2 an unlikely one under p1
 NUM_REQUESTS = 20000
 
@@ -43,13 +48,13 @@ def emitted(params: SamplingParams, verify, seeded: bool = False) -> list[tuple[
     generators = [None] * (3 * n)
     if seeded:  # one generator per request, shared by its three rows
         for i in range(n):
-            generators[3 * i:3 * i + 3] = [make_generator(1000 + i, "cpu")] * 3
+            generators[3 * i : 3 * i + 3] = [make_generator(1000 + i, "cpu")] * 3
     torch.manual_seed(7)
     md = SamplingMetadata.from_params([params] * (3 * n), generators, "cpu")
     sampled = Sampler()(LOGITS.repeat(n, 1), md).sampled_token_ids.numpy()
     drafts = np.tile(DRAFTS + [-1], n)
     kept = verify(sampled, drafts, np.full(n, 3)) + 1
-    return [tuple(sampled[3 * i:3 * i + k]) for i, k in enumerate(kept.tolist())]
+    return [tuple(sampled[3 * i : 3 * i + k]) for i, k in enumerate(kept.tolist())]
 
 
 def chi_square(samples: list[tuple[int, ...]], law: dict[tuple[int, ...], float]) -> float:
@@ -65,8 +70,11 @@ def chi_square(samples: list[tuple[int, ...]], law: dict[tuple[int, ...], float]
 # Chi-square critical values at p = 0.001 by degrees of freedom (standard tables).
 CRITICAL = {6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
 
-CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
-         SamplingParams(temperature=1.0, top_k=3)]
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=3),
+]
 
 
 @pytest.mark.parametrize("params", CASES, ids=["t1", "t0.7", "t1-top3"])

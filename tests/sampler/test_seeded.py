@@ -1,4 +1,5 @@
 """A seeded request's tokens depend only on its seed and its own logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,10 @@ def _neighbours(step: int) -> list[tuple[SamplingParams, torch.Generator | None]
         lambda i: (SamplingParams(temperature=0.0), None),
         lambda i: (SamplingParams(temperature=1.2), None),
         lambda i: (SamplingParams(temperature=0.9, top_k=5, top_p=0.5), None),
-        lambda i: (SamplingParams(temperature=1.0, min_p=0.3, seed=i),
-                   make_generator(1000 * step + i, "cpu")),
+        lambda i: (
+            SamplingParams(temperature=1.0, min_p=0.3, seed=i),
+            make_generator(1000 * step + i, "cpu"),
+        ),
     ]
     return [kinds[i % len(kinds)](i) for i in range(BATCH - 1)]
 
@@ -33,7 +36,7 @@ def _run_alone(target: SamplingParams, seed: int) -> list[int]:
     generator, tokens = make_generator(seed, "cpu"), []
     for step in range(STEPS):
         md = SamplingMetadata.from_params([target], [generator], "cpu")
-        tokens.append(Sampler()(TARGET_LOGITS[step:step + 1], md).sampled_token_ids.item())
+        tokens.append(Sampler()(TARGET_LOGITS[step : step + 1], md).sampled_token_ids.item())
     return tokens
 
 
@@ -44,8 +47,10 @@ def _run_in_batch(target: SamplingParams, seed: int, row: int, all_random: bool)
     for step in range(STEPS):
         rows = _neighbours(step)
         if all_random:
-            rows = [(SamplingParams(temperature=0.8), None) if p.temperature == 0 else (p, g)
-                    for p, g in rows]
+            rows = [
+                (SamplingParams(temperature=0.8), None) if p.temperature == 0 else (p, g)
+                for p, g in rows
+            ]
         rows.insert(row, (target, generator))
         logits = other_logits[step].clone()
         logits[row] = TARGET_LOGITS[step]
@@ -69,4 +74,3 @@ def test_seeded_request_repeats_across_runs_with_fresh_generators():
 
 def test_different_seeds_give_different_tokens():
     assert _run_alone(TARGETS[0], seed=42) != _run_alone(TARGETS[0], seed=43)
-

@@ -3,6 +3,7 @@ are refused from their headers before decoding, a text prompt that cannot
 fit is refused before tokenizing (with truncate_prompt_tokens only its tail
 is tokenized), max_tokens is clamped to the context, and compiled grammars
 are cached within a byte bound."""
+
 from __future__ import annotations
 
 import io
@@ -55,27 +56,36 @@ def test_a_13000_square_png_is_refused_from_its_header_without_decoding(vl_path,
     bomb = _png(13000, 13000, mode="1")
     assert len(bomb) < 600_000  # small on the wire, 507 MB decoded as RGB
     processor = InputProcessor.from_pretrained(vl_path)
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[2\]\.image: the image is "
-                                         r"13000x13000 = 169000000 pixels, more than "
-                                         r"max_image_pixels=16777216"):
+    with pytest.raises(
+        ValueError,
+        match=r"^messages\[0\]\.content\[2\]\.image: the image is "
+        r"13000x13000 = 169000000 pixels, more than "
+        r"max_image_pixels=16777216",
+    ):
         processor.process(_chat(_png(32, 32), bomb))
     assert decodes == []  # not even the small image before it was decoded
 
 
-def test_images_adding_up_past_the_request_limit_are_refused_before_any_decodes(
-        vl_path, decodes):
-    processor = InputProcessor.from_pretrained(vl_path, max_image_pixels=64 * 64,
-                                               max_image_pixels_per_request=3 * 64 * 64)
+def test_images_adding_up_past_the_request_limit_are_refused_before_any_decodes(vl_path, decodes):
+    processor = InputProcessor.from_pretrained(
+        vl_path, max_image_pixels=64 * 64, max_image_pixels_per_request=3 * 64 * 64
+    )
     ok = _chat(*[_png(64, 64)] * 3)
     ids, features = processor.process(ok)
     assert len(features) == 3 and decodes == [(64, 64)] * 3
     decodes.clear()
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[4\]\.image: the request's "
-                                         r"images add up to more than "
-                                         r"max_image_pixels_per_request=12288"):
+    with pytest.raises(
+        ValueError,
+        match=r"^messages\[0\]\.content\[4\]\.image: the request's "
+        r"images add up to more than "
+        r"max_image_pixels_per_request=12288",
+    ):
         processor.process(_chat(*[_png(64, 64)] * 4))
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.image: the image is "
-                                         r"65x64"):
+    with pytest.raises(
+        ValueError,
+        match=r"^messages\[0\]\.content\[1\]\.image: the image is "
+        r"65x64",
+    ):
         processor.process(_chat(_png(65, 64)))
     assert decodes == []
 
@@ -86,8 +96,11 @@ def test_a_1x1_image_is_served_and_not_an_image_is_named(vl_path):
     pad = processor.mm_processor.image_token_id
     # The processor scales it up to its minimum: one merged 2x2 grid of patches.
     assert features[0].length == ids.count(pad) >= 1
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.image: cannot decode: "
-                                         "not an image"):
+    with pytest.raises(
+        ValueError,
+        match=r"^messages\[0\]\.content\[1\]\.image: cannot decode: "
+        "not an image",
+    ):
         processor.process(_chat(b"GIF89a but not really"))
 
 
@@ -123,14 +136,21 @@ def _words(n: int) -> str:
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(text_processor):
     limit = text_processor.max_prompt_bytes
     # The documented rule: max_model_len x the longest token in bytes.
-    longest = max(len(text_processor.decode([i], skip_special_tokens=False).encode())
-                  for i in range(len(text_processor.tokenizer)))
+    longest = max(
+        len(text_processor.decode([i], skip_special_tokens=False).encode())
+        for i in range(len(text_processor.tokenizer))
+    )
     assert limit == 64 * longest
     huge = "a" * (8 << 20)
-    for prompt, field in ((huge, "prompt"), ({"prompt": huge}, "prompt"),
-                          ({"messages": [{"role": "user", "content": huge}]}, "messages")):
-        with pytest.raises(ValueError, match=f"^{field}: the prompt is [0-9]+ bytes, more than "
-                                             f"max_prompt_bytes={limit}"):
+    for prompt, field in (
+        (huge, "prompt"),
+        ({"prompt": huge}, "prompt"),
+        ({"messages": [{"role": "user", "content": huge}]}, "messages"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"^{field}: the prompt is [0-9]+ bytes, more than max_prompt_bytes={limit}",
+        ):
             text_processor.process(prompt)
     assert text_processor.tokenizer.encoded == []
     # Just under the limit is tokenized (and then counted against max_model_len).
@@ -153,11 +173,13 @@ def test_max_tokens_beyond_the_context_is_clamped_to_it(text_processor):
     (req,) = build_requests(text_processor, "r", {"prompt_token_ids": [5] * 24}, params)
     assert req.sampling_params.max_tokens == 64 - 24
     assert req.sampling_params.min_tokens == 64 - 24
-    (req,) = build_requests(text_processor, "r", {"prompt_token_ids": [5] * 24},
-                            SamplingParams(max_tokens=7))
+    (req,) = build_requests(
+        text_processor, "r", {"prompt_token_ids": [5] * 24}, SamplingParams(max_tokens=7)
+    )
     assert req.sampling_params.max_tokens == 7
-    with pytest.raises(ValueError, match="prompt_token_ids: the prompt has 65 tokens, more than "
-                                         "max_model_len=64"):
+    with pytest.raises(
+        ValueError, match="prompt_token_ids: the prompt has 65 tokens, more than max_model_len=64"
+    ):
         build_requests(text_processor, "r", {"prompt_token_ids": [5] * 65}, params)
 
 
@@ -167,8 +189,9 @@ def test_compiled_grammars_are_cached_within_a_byte_bound(tiny_qwen3_path):
     from tokenbudget.core.structured.manager import StructuredOutputManager
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_path)
-    specs = [StructuredOutputParams(choice=[f"option {k} {i}" for i in range(1500)])
-             for k in range(3)]
+    specs = [
+        StructuredOutputParams(choice=[f"option {k} {i}" for i in range(1500)]) for k in range(3)
+    ]
     probe = StructuredOutputManager(tokenizer, 1280)
     size = probe.compile(specs[0]).memory_size_bytes
     assert size > 100_000

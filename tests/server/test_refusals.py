@@ -1,5 +1,6 @@
 """Refused requests free their payload at once (issue 10, defect 10), and what
 a client is told holds no internal paths (item 12)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,11 @@ def engine(tiny_qwen3_path):
     from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
-    core = EngineCore(SchedulerConfig(max_model_len=64), CacheConfig(num_blocks=16),
-                      InProcessExecutor(Worker(tiny_qwen3_path), async_mode=True))
+    core = EngineCore(
+        SchedulerConfig(max_model_len=64),
+        CacheConfig(num_blocks=16),
+        InProcessExecutor(Worker(tiny_qwen3_path), async_mode=True),
+    )
     engine = AsyncEngine(core, InputProcessor.from_pretrained(tiny_qwen3_path), model_name="t")
     yield engine
     engine.shutdown()
@@ -44,19 +48,23 @@ async def _refuse_many(engine, requests: list[generate_pb2.GenerateRequest]) -> 
     await server.start()
     after: list[int] = []
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
-                ("grpc.max_send_message_length", 16 << 20)]) as channel:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 16 << 20)]
+        ) as channel:
             call = channel.unary_stream(
                 "/tokenbudget.v1.Generation/Generate",
                 request_serializer=generate_pb2.GenerateRequest.SerializeToString,
-                response_deserializer=generate_pb2.GenerateResponse.FromString)
+                response_deserializer=generate_pb2.GenerateResponse.FromString,
+            )
             for request in requests:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     async for _ in call(request):
                         pass
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "max_prompt_bytes" in info.value.details() or \
-                    "temperature" in info.value.details()
+                assert (
+                    "max_prompt_bytes" in info.value.details()
+                    or "temperature" in info.value.details()
+                )
                 after.append(tracemalloc.get_traced_memory()[0])
     finally:
         await server.stop(0)
@@ -107,13 +115,17 @@ def test_refused_bytes_collect_garbage_once_they_add_up():
 
 
 def test_public_messages_hold_no_paths_or_tracebacks():
-    worker_error = ("the engine stopped: worker 127.0.0.1:5 failed: Traceback (most recent "
-                    "call last):\n  File \"/home/u/venv/lib/python3.11/site-packages/tokenbudget/"
-                    "worker/model_runner.py\", line 412, in execute\n    logits = self.model(x)"
-                    "\nRuntimeError: CUDA error at /opt/src/kernels/attn.cu:88: out of memory")
+    worker_error = (
+        "the engine stopped: worker 127.0.0.1:5 failed: Traceback (most recent "
+        'call last):\n  File "/home/u/venv/lib/python3.11/site-packages/tokenbudget/'
+        'worker/model_runner.py", line 412, in execute\n    logits = self.model(x)'
+        "\nRuntimeError: CUDA error at /opt/src/kernels/attn.cu:88: out of memory"
+    )
     text = public_message(RuntimeError(worker_error))
-    assert text == ("the engine stopped: worker 127.0.0.1:5 failed: RuntimeError: CUDA error "
-                    "at attn.cu:88: out of memory")
+    assert text == (
+        "the engine stopped: worker 127.0.0.1:5 failed: RuntimeError: CUDA error "
+        "at attn.cu:88: out of memory"
+    )
     assert public_message("x" * 5000).endswith("...") and len(public_message("x" * 5000)) == 2000
     assert public_message("max_tokens must be >= 1, got 0") == "max_tokens must be >= 1, got 0"
 
@@ -127,6 +139,9 @@ def test_an_undecodable_request_names_the_string_field_that_is_not_utf8():
     with pytest.raises(Exception):
         generate_pb2.GenerateRequest.FromString(raw)
     assert undecodable(generate_pb2.GenerateRequest.DESCRIPTOR, raw).message == (
-        "chat.messages[0].content[1].text: not valid UTF-8 (string fields must hold UTF-8 text)")
-    assert "not a valid tokenbudget.v1.GenerateRequest message" in undecodable(
-        generate_pb2.GenerateRequest.DESCRIPTOR, b"\x0f\xff\xff").message
+        "chat.messages[0].content[1].text: not valid UTF-8 (string fields must hold UTF-8 text)"
+    )
+    assert (
+        "not a valid tokenbudget.v1.GenerateRequest message"
+        in undecodable(generate_pb2.GenerateRequest.DESCRIPTOR, b"\x0f\xff\xff").message
+    )

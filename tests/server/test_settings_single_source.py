@@ -2,6 +2,7 @@
 flag's default is that field's default, and every field is a flag and an
 ``LLM(...)`` keyword (tests/grpc/test_engine_settings_reachable.py checks the
 values reach the configs)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,14 +16,18 @@ from tokenbudget.server.engine.args import ALIASES, EngineArgs
 from tokenbudget.server.entrypoints import cli
 
 # Config field -> the EngineArgs field (and flag) that sets it, where the names differ.
-ENGINE_NAME = {"num_blocks": "num_gpu_blocks", "kv_cache_memory_bytes": "kv_cache_memory",
-               "kv_offload_memory_bytes": "kv_offload_memory"}
+ENGINE_NAME = {
+    "num_blocks": "num_gpu_blocks",
+    "kv_cache_memory_bytes": "kv_cache_memory",
+    "kv_offload_memory_bytes": "kv_offload_memory",
+}
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 CONFIG_FIELDS = [f for config in (SchedulerConfig, CacheConfig) for f in dataclasses.fields(config)]
 # The settings that are flags: EngineArgs' fields (not its policy_options dict) and
 # SchedulerConfig's policy options.
-FLAG_FIELDS = [f for f in dataclasses.fields(EngineArgs) if f.name != "policy_options"] + \
-    [f for f in dataclasses.fields(SchedulerConfig) if f.name in POLICY_OPTIONS]
+FLAG_FIELDS = [f for f in dataclasses.fields(EngineArgs) if f.name != "policy_options"] + [
+    f for f in dataclasses.fields(SchedulerConfig) if f.name in POLICY_OPTIONS
+]
 
 
 def _actions() -> dict[str, argparse.Action]:
@@ -49,8 +54,7 @@ def test_every_config_field_is_a_flag_and_an_llm_keyword(f):
     assert _flag(name) in _actions()
     if f.name in POLICY_OPTIONS:
         assert f.metadata["group"] == POLICY
-        assert EngineArgs.from_kwargs("m", **{name: f.default}).policy_options == \
-            {name: f.default}
+        assert EngineArgs.from_kwargs("m", **{name: f.default}).policy_options == {name: f.default}
     else:
         assert name in ENGINE_FIELDS
         # One declaration: the EngineArgs field carries the config field's flag.
@@ -66,8 +70,9 @@ def test_engine_defaults_are_the_config_defaults_but_where_engine_args_says_othe
     # async scheduling is on for server and LLM (a hand-built SchedulerConfig
     # runs EngineCore's synchronous loop); max_model_len None: the model's.
     assert differ == {"async_scheduling": (False, True), "max_model_len": (8192, None)}
-    assert SchedulerConfig.__dataclass_fields__["async_scheduling"].metadata[
-        "engine_default"] is True
+    assert (
+        SchedulerConfig.__dataclass_fields__["async_scheduling"].metadata["engine_default"] is True
+    )
 
 
 def test_default_engine_args_give_the_default_configs():
@@ -84,13 +89,20 @@ def test_vllm_names_are_flags_and_llm_keywords_of_the_same_setting():
 
 
 def test_policy_options_are_the_policy_group_of_scheduler_config():
-    assert POLICY_OPTIONS == tuple(f.name for f in dataclasses.fields(SchedulerConfig)
-                                   if f.metadata["group"] == POLICY)
+    assert POLICY_OPTIONS == tuple(
+        f.name for f in dataclasses.fields(SchedulerConfig) if f.metadata["group"] == POLICY
+    )
     assert len(POLICY_OPTIONS) == 20
 
 
 def test_worker_proto_carries_the_scheduler_fields_it_declares():
     assert convert._SCHED_FIELDS == (
-        "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-        "long_prefill_token_threshold", "policy", "encoder_compute_budget",
-        "encoder_cache_size", "async_scheduling")
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "long_prefill_token_threshold",
+        "policy",
+        "encoder_compute_budget",
+        "encoder_cache_size",
+        "async_scheduling",
+    )

@@ -3,6 +3,7 @@ detokenizer so every boundary is chosen by the test: a stop string split over
 tokens ends the sample at the token that completes it, the text is cut before
 it (or after it with include_stop_str_in_output), and streamed text never
 shows characters a stop string later cuts, nor holds back more than needed."""
+
 from __future__ import annotations
 
 import itertools
@@ -46,7 +47,7 @@ def _run(pieces, chunks=1, **params):
     deltas, tokens, finish, reason = [], [], None, None
     for start in range(0, len(ids), chunks):
         last = start + chunks >= len(ids)
-        out = RequestOutput("r", ids[start:start + chunks], "length" if last else None)
+        out = RequestOutput("r", ids[start : start + chunks], "length" if last else None)
         delta = state.update([out])
         if delta is None:
             continue
@@ -70,8 +71,9 @@ def test_a_stop_string_split_over_three_tokens_ends_the_sample_at_the_last_one(c
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_what_follows_it():
-    deltas, finish, reason, tokens = _run(["ab", "E", "ND.", "x"], stop=["END"],
-                                          include_stop_str_in_output=True)
+    deltas, finish, reason, tokens = _run(
+        ["ab", "E", "ND.", "x"], stop=["END"], include_stop_str_in_output=True
+    )
     assert "".join(deltas) == "abEND"
     assert (finish, reason, tokens) == ("stop", "END", _ids("ab", "E", "ND."))
 
@@ -107,8 +109,9 @@ def test_random_streams_match_a_naive_reference():
         stop = rng.sample(stops, rng.randint(1, 3))
         include = rng.random() < 0.5
         min_tokens = rng.choice([0, 0, 2, 4])
-        deltas, finish, reason, tokens = _run(pieces, chunks, stop=stop, min_tokens=min_tokens,
-                                              include_stop_str_in_output=include)
+        deltas, finish, reason, tokens = _run(
+            pieces, chunks, stop=stop, min_tokens=min_tokens, include_stop_str_in_output=include
+        )
         # Reference: grow the text token by token; the first token whose text
         # completes a stop string (searching where it could end) stops.
         text, expected = "", "".join(pieces)
@@ -122,7 +125,7 @@ def test_random_streams_match_a_naive_reference():
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                expected = text[:i + len(s)] if include else text[:i]
+                expected = text[: i + len(s)] if include else text[:i]
                 expected_reason, expected_tokens = s, k + 1
                 break
         assert "".join(deltas) == expected, (pieces, stop)
@@ -143,8 +146,12 @@ def test_token_ids_only_samples_pass_outputs_through():
     state = SampleState(0, SamplingParams(), None)
     out = RequestOutput("r", [5, 6], "stop", [{5: -1.0}, {6: -2.0}], stop_reason=6)
     delta = state.update([out])
-    assert (delta.token_ids, delta.text, delta.finish_reason, delta.stop_reason) == \
-        ([5, 6], "", "stop", 6)
+    assert (delta.token_ids, delta.text, delta.finish_reason, delta.stop_reason) == (
+        [5, 6],
+        "",
+        "stop",
+        6,
+    )
     assert delta.logprobs == [{5: -1.0}, {6: -2.0}]
 
 
@@ -164,12 +171,15 @@ def test_a_stop_tokens_text_shows_only_with_include_stop_str_in_output(stop_reas
     stop_token_ids id) keeps the token's id, and its text only when asked. Its text does not
     complete a stop string either ("cx" here): the stop token is the reason."""
     for stop in ([], ["cx"]):
-        state = SampleState(0, SamplingParams(stop=stop, include_stop_str_in_output=include),
-                            CharDetokenizer(VOCAB))
+        state = SampleState(
+            0, SamplingParams(stop=stop, include_stop_str_in_output=include), CharDetokenizer(VOCAB)
+        )
         first = state.update([RequestOutput("r", _ids("ab"), None)])
         last = state.update([RequestOutput("r", _ids("c", "x"), "stop", stop_reason=stop_reason)])
         text = first.text + last.text
         assert text == ("abcx" if include else "abc"), stop
         assert last.token_ids == _ids("c", "x")
-        assert (last.finish_reason, last.stop_reason) == \
-            ("stop", "cx" if include and stop else stop_reason)
+        assert (last.finish_reason, last.stop_reason) == (
+            "stop",
+            "cx" if include and stop else stop_reason,
+        )

@@ -1,5 +1,6 @@
 """The simulator: the real EngineCore and Scheduler over a SimulatedExecutor,
 in simulated time (server/sim)."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,22 @@ from tokenbudget.core import CacheConfig, Request, SamplingParams, SchedulerConf
 from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.core.kv.hashing import BlockHasher
 from tokenbudget.core.policy.slo import SLOOrder
-from tokenbudget.server.sim import (GPU_DEFAULT_CONSTANTS, CostConstants, CostModel,
-                                          SimClock, SimulatedExecutor, TraceRecorder,
-                                          TraceRequest, get_hardware, get_model, load_trace,
-                                          merge, multi_turn_chat, poisson_arrivals,
-                                          sharegpt_like, simulate)
+from tokenbudget.server.sim import (
+    GPU_DEFAULT_CONSTANTS,
+    CostConstants,
+    CostModel,
+    SimClock,
+    SimulatedExecutor,
+    TraceRecorder,
+    TraceRequest,
+    get_hardware,
+    get_model,
+    load_trace,
+    merge,
+    poisson_arrivals,
+    sharegpt_like,
+    simulate,
+)
 from tokenbudget.server.sim.cost_model import fit
 from tokenbudget.server.sim.calibrate import fit_recorded
 
@@ -28,13 +40,17 @@ MODEL, HW = get_model("qwen3-8b"), get_hardware("h100")
 
 
 def _sim(trace, constants=GPU_DEFAULT_CONSTANTS, **kw):
-    scheduler = {k: kw.pop(k) for k in list(kw) if k not in
-                 ("num_replicas", "router", "seed", "ttft_ms", "tpot_ms", "cache")}
+    scheduler = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k not in ("num_replicas", "router", "seed", "ttft_ms", "tpot_ms", "cache")
+    }
     scheduler.setdefault("max_num_batched_tokens", 2048)
     scheduler.setdefault("max_num_seqs", 64)
     cache = kw.pop("cache", {"num_blocks": 4000})
-    return simulate(trace, model=MODEL, hardware=HW, constants=constants, scheduler=scheduler,
-                    cache=cache, **kw)
+    return simulate(
+        trace, model=MODEL, hardware=HW, constants=constants, scheduler=scheduler, cache=cache, **kw
+    )
 
 
 def _without_wall(summary):
@@ -81,8 +97,13 @@ def test_simulation_is_deterministic_for_a_seed():
     assert _determinism_run(4) == a
     # Another process with another string-hash seed: a result that depended on
     # set or hash order (or on anything left over in this process) would differ.
-    proc = subprocess.run([sys.executable, "-c", _DETERMINISM_RUN, "4"], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DETERMINISM_RUN, "4"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONHASHSEED="0"),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == a
     assert _determinism_run(5) != a
@@ -96,8 +117,7 @@ def test_step_time_follows_the_roofline():
     # A 4096-token prefill: compute bound, ~2 x 7B FLOPs per token at half of 989 TFLOP/s.
     prefill = cm.step_time([(4096, 0)])
     assert prefill > 4 * decode
-    assert cm.terms([(4096, 0)]).flops / (989e12 * 0.5) == pytest.approx(prefill - 0.001,
-                                                                           rel=0.01)
+    assert cm.terms([(4096, 0)]).flops / (989e12 * 0.5) == pytest.approx(prefill - 0.001, rel=0.01)
 
 
 def test_executor_drives_the_scheduler_through_preemption_chunking_and_prefix_hits():
@@ -106,16 +126,22 @@ def test_executor_drives_the_scheduler_through_preemption_chunking_and_prefix_hi
     ex = SimulatedExecutor(cm, clock, vocab_size=1000, eos_token_id=999)
     # 40 blocks of 16 tokens for 12 requests of 100-token prompts and 60 outputs:
     # not all fit (preemption); a 64-token budget chunks every prompt.
-    engine = EngineCore(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16),
-                        CacheConfig(block_size=16, num_blocks=40), ex)
+    engine = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16),
+        CacheConfig(block_size=16, num_blocks=40),
+        ex,
+    )
     sched = engine.scheduler
     sched.clock = clock
     shared = list(range(1, 65))
     for i in range(12):
         prompt = shared + [100 + i * 40 + j for j in range(36)]
         ex.plans[f"q{i}"] = (i, 60 if i % 2 else None)  # even ids run to max_tokens
-        engine.add_request(Request(f"q{i}", prompt, SamplingParams(max_tokens=60),
-                                   eos_token_id=999, arrival_time=0.0))
+        engine.add_request(
+            Request(
+                f"q{i}", prompt, SamplingParams(max_tokens=60), eos_token_id=999, arrival_time=0.0
+            )
+        )
     scheduled: list[dict[str, int]] = []
     execute = ex.execute_model
 
@@ -153,6 +179,7 @@ def test_executor_drives_the_scheduler_through_preemption_chunking_and_prefix_hi
 
 def _done(value):
     from concurrent.futures import Future
+
     f = Future()
     f.set_result(value)
     return f
@@ -161,8 +188,7 @@ def _done(value):
 def test_executor_chunks_a_prompt_longer_than_the_budget():
     clock = SimClock()
     ex = SimulatedExecutor(CostModel(MODEL, HW, GPU_DEFAULT_CONSTANTS), clock, vocab_size=1000)
-    engine = EngineCore(SchedulerConfig(max_num_batched_tokens=32),
-                        CacheConfig(num_blocks=50), ex)
+    engine = EngineCore(SchedulerConfig(max_num_batched_tokens=32), CacheConfig(num_blocks=50), ex)
     engine.add_request(Request("a", list(range(1, 98)), SamplingParams(max_tokens=2)))
     got = []
     while engine.has_unfinished_requests():
@@ -227,8 +253,9 @@ def test_slo_policy_ages_requests_it_would_starve():
     is_long = np.array([r.prompt_len == 2000 for r in trace])
 
     def worst_long_ttft(aging):
-        res = _sim(trace, policy="slo", aging_bound_s=aging, max_num_batched_tokens=1024,
-                   max_num_seqs=32)
+        res = _sim(
+            trace, policy="slo", aging_bound_s=aging, max_num_batched_tokens=1024, max_num_seqs=32
+        )
         assert res.summary["finished"] == len(trace)
         return np.nanmax(np.array(res.ttft_s)[is_long])
 
@@ -243,8 +270,14 @@ def test_recorded_trace_replays_with_the_same_prefix_sharing(tmp_path):
     hasher = BlockHasher(16, "sha256")
     system = list(range(1, 129))
     for i in range(40):
-        req = Request(f"x{i}", system + [200 + i] * (20 + i), SamplingParams(max_tokens=8),
-                      arrival_time=10.0 + 0.25 * i, tenant="t", ttft_ms=200.0)
+        req = Request(
+            f"x{i}",
+            system + [200 + i] * (20 + i),
+            SamplingParams(max_tokens=8),
+            arrival_time=10.0 + 0.25 * i,
+            tenant="t",
+            ttft_ms=200.0,
+        )
         hasher.update(req)
         rec.on_add(req)
         rec.on_finish(f"x{i}", 5 + i % 3)
@@ -269,13 +302,15 @@ def test_fair_share_chunk_cap_bounds_the_other_tenants_tpot():
     # most one step holding A's whole share (at A's full context) plus B's
     # decodes, which is under 6x B alone.
     a = [TraceRequest(t, 16000, 4, tenant="A") for t in poisson_arrivals(40, 4.0, seed=2)]
-    b = [TraceRequest(t, 200, 100, tenant="B")
-         for t in poisson_arrivals(20, 2.0, seed=1, start=1.0)]
+    b = [
+        TraceRequest(t, 200, 100, tenant="B") for t in poisson_arrivals(20, 2.0, seed=1, start=1.0)
+    ]
     kw = dict(max_num_batched_tokens=8192, max_model_len=32768, cache={"num_blocks": 40000})
     fair = dict(kw, fair_share=True, tenant_weights={"B": 7.0})
     alone = _sim(b, **kw).summary["tpot_ms"]["p99"]
     bound_ms = 1000 * CostModel(MODEL, HW, GPU_DEFAULT_CONSTANTS).step_time(
-        [(1024, 16000)] + [(1, 300)] * len(b))
+        [(1024, 16000)] + [(1, 300)] * len(b)
+    )
     assert bound_ms < 6 * alone
     capped = _sim(merge(a, b), **fair).summary
     uncapped = _sim(merge(a, b), fair_share_chunk_cap=False, **fair).summary

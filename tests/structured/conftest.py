@@ -1,6 +1,7 @@
 """One tiny random-weight Qwen3 (byte-level BPE tokenizer) and one LLM over
 it for the whole folder; its unconstrained text is garbage, so anything
 well-formed it emits is the grammar's doing."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,10 +29,14 @@ def llm(tiny_model):
 @pytest.fixture
 def sample(llm):
     """generate() of ``n`` temperature-1 runs under ``structured`` (seeds 0..n-1)."""
+
     def run(structured: dict, n: int = 50, max_tokens: int = 200, prompt: str = "Answer:"):
-        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
-                                 structured=structured) for s in range(n)]
+        params = [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured=structured)
+            for s in range(n)
+        ]
         return llm.generate([prompt] * n, params)
+
     return run
 
 
@@ -40,8 +45,9 @@ def llm_async(tiny_model):
     """The same engine with async (overlap) scheduling."""
     from tokenbudget.server import LLM
 
-    llm = LLM(tiny_model, num_gpu_blocks=512, max_num_seqs=64, max_model_len=1024,
-              async_scheduling=True)
+    llm = LLM(
+        tiny_model, num_gpu_blocks=512, max_num_seqs=64, max_model_len=1024, async_scheduling=True
+    )
     yield llm
     llm.shutdown()
 
@@ -91,9 +97,13 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     """Byte string of every ordinary (non-special) token id."""
     decode = _bytes_to_unicode()
     special = set(tokenizer.all_special_ids) | {
-        i for t, i in tokenizer.get_vocab().items() if t.startswith("<|")}
-    return {i: bytes(decode[ch] for ch in t) for t, i in tokenizer.get_vocab().items()
-            if i not in special}
+        i for t, i in tokenizer.get_vocab().items() if t.startswith("<|")
+    }
+    return {
+        i: bytes(decode[ch] for ch in t)
+        for t, i in tokenizer.get_vocab().items()
+        if i not in special
+    }
 
 
 @pytest.fixture
@@ -106,12 +116,17 @@ def manager(tokenizer, model_vocab_size):
 @pytest.fixture
 def ready_request(manager, tokenizer):
     """A request under ``spec`` whose grammar compiled and whose matcher exists."""
+
     def make(rid: str, spec: dict, prompt_len: int = 5) -> Request:
-        req = Request(rid, list(range(10, 10 + prompt_len)),
-                      SamplingParams(max_tokens=32, structured=spec),
-                      eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        req = Request(
+            rid,
+            list(range(10, 10 + prompt_len)),
+            SamplingParams(max_tokens=32, structured=spec),
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
         manager.add_request(req)
         req.structured_request.compiled.result(timeout=30)
         assert manager.is_ready(req)
         return req
+
     return make

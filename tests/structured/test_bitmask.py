@@ -2,12 +2,12 @@
 token is allowed exactly when the text so far plus the token's bytes is still
 a prefix of some choice (EOS once a choice is complete); ids past the
 tokenizer (the model's padded vocabulary) and special tokens never are."""
+
 from __future__ import annotations
 
 import json
 
 import numpy as np
-import pytest
 
 from tokenbudget.core import Request, SamplingParams
 from tokenbudget.core.structured.manager import StructuredOutputManager
@@ -17,8 +17,9 @@ CHOICES = ["yes", "no", "maybe so", "may"]
 
 def _oracle(prefix: bytes, token_bytes: dict[int, bytes], eos: int) -> set[int]:
     choices = [c.encode() for c in CHOICES]
-    allowed = {i for i, b in token_bytes.items()
-               if b and any(c.startswith(prefix + b) for c in choices)}
+    allowed = {
+        i for i, b in token_bytes.items() if b and any(c.startswith(prefix + b) for c in choices)
+    }
     if prefix in choices:
         allowed.add(eos)
     return allowed
@@ -37,8 +38,9 @@ def _decoding(req: Request) -> None:
     req.num_computed_tokens = req.num_tokens - 1
 
 
-def test_rows_match_the_naive_oracle_after_each_token(manager, ready_request, token_bytes,
-                                                      model_vocab_size):
+def test_rows_match_the_naive_oracle_after_each_token(
+    manager, ready_request, token_bytes, model_vocab_size
+):
     req = ready_request("r", {"choice": CHOICES})
     eos = req.eos_token_id
     text = b""
@@ -67,8 +69,9 @@ def test_prefill_chunks_that_do_not_sample_get_no_row(manager, ready_request):
     assert manager.grammar_bitmask({"r": req}, {"other": 4}, {}) == (None, [])
 
 
-def test_draft_rows_follow_the_drafts_and_invalid_drafts_are_cut(manager, ready_request,
-                                                                 token_bytes, model_vocab_size):
+def test_draft_rows_follow_the_drafts_and_invalid_drafts_are_cut(
+    manager, ready_request, token_bytes, model_vocab_size
+):
     req = ready_request("r", {"choice": CHOICES})
     eos = req.eos_token_id
     valid = [_token(token_bytes, b"m"), _token(token_bytes, b"a")]
@@ -86,8 +89,9 @@ def test_draft_rows_follow_the_drafts_and_invalid_drafts_are_cut(manager, ready_
     assert (again[0] == bitmask[0]).all()
 
 
-def test_rows_cover_the_model_vocab_and_padding_ids_are_never_allowed(manager, ready_request,
-                                                                      tokenizer, model_vocab_size):
+def test_rows_cover_the_model_vocab_and_padding_ids_are_never_allowed(
+    manager, ready_request, tokenizer, model_vocab_size
+):
     assert model_vocab_size > len(tokenizer)  # the tiny model pads its vocabulary
     req = ready_request("r", {"json_object": True})
     _decoding(req)
@@ -100,14 +104,27 @@ def test_length_bounded_json_strings_reject_raw_control_characters(manager, toke
     # JSON forbids raw U+0000-U+001F inside strings; json.loads is the oracle.
     import xgrammar as xgr
 
-    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
-              "required": ["s"]}
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": 4}},
+        "required": ["s"],
+    }
     compiled = manager.compile(SamplingParams(structured={"json_schema": schema}).structured)
     # Raw control characters, then the same escaped (each escape is one character).
     verdicts = set()
-    for text in ('{"s": "ab"}', '{"s": "abcde"}', '{"s": "a\tb"}', '{"s": "a\nb"}',
-                 '{"s": "\x00"}', '{"s": "\x1f"}', '{"s": "a\\tb"}', '{"s": "a\\nb"}',
-                 '{"s": "\\u0000"}', '{"s": "\\u001f\\t\\n\\r"}', '{"s": "\\t\\t\\t\\t\\t"}'):
+    for text in (
+        '{"s": "ab"}',
+        '{"s": "abcde"}',
+        '{"s": "a\tb"}',
+        '{"s": "a\nb"}',
+        '{"s": "\x00"}',
+        '{"s": "\x1f"}',
+        '{"s": "a\\tb"}',
+        '{"s": "a\\nb"}',
+        '{"s": "\\u0000"}',
+        '{"s": "\\u001f\\t\\n\\r"}',
+        '{"s": "\\t\\t\\t\\t\\t"}',
+    ):
         matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         accepted = matcher.accept_string(text) and matcher.is_terminated()
         try:

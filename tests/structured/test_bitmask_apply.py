@@ -2,6 +2,7 @@
 masking equals xgrammar's kernel and a bit-by-bit oracle, and the model
 runner's in-place path (every row constrained, in order) masks the same rows
 as the general mapping."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ def _bitmask(rows: int, vocab: int, seed: int) -> np.ndarray:
     mostly allowing, allowing all, forbidding all; ragged padding words."""
     rng = np.random.default_rng(seed)
     words = -(-vocab // 32) + 1  # one spare word past the vocabulary
-    mask = rng.integers(-2**31, 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    mask = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
     kinds = rng.integers(0, 5, size=rows)
     for r, kind in enumerate(kinds):
         if kind == 1:
@@ -51,8 +52,9 @@ def test_cpu_masking_equals_xgrammar_kernel_and_naive(monkeypatch, dtype, vocab,
     monkeypatch.setattr(sampler, "_CPU_CHUNK", chunk)
     rows = 11
     mask = _bitmask(rows, vocab, seed=vocab)
-    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
-              ).to(dtype)
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(
+        dtype
+    )
     ours, kernel = logits.clone(), logits.clone()
     apply_token_bitmask_cpu(ours, torch.from_numpy(mask))
     xgrammar.apply_token_bitmask_inplace(kernel, torch.from_numpy(mask), vocab_size=vocab)
@@ -93,8 +95,10 @@ def runner(tiny_model):
     from tokenbudget.worker.model_runner import ModelRunner
 
     r = ModelRunner(tiny_model, dtype="float32", device="cpu", attention_backend="sdpa")
-    r.initialize_kv_cache(CacheConfig(block_size=16, num_blocks=64),
-                          SchedulerConfig(max_num_seqs=8, max_model_len=256))
+    r.initialize_kv_cache(
+        CacheConfig(block_size=16, num_blocks=64),
+        SchedulerConfig(max_num_seqs=8, max_model_len=256),
+    )
     return r
 
 
@@ -112,17 +116,27 @@ def test_every_row_constrained_masks_each_request_with_its_own_row(runner, order
     token its own row forces (greedy), including bit 31 (a negative word)."""
     forced = {"a": 31, "b": 77, "c": 200}
     greedy = SamplingParams(temperature=0.0)
-    new = [NewRequestData(rid, [5 + i, 9, 13, 21], [], greedy, [1 + i], 0)
-           for i, rid in enumerate("abc")]
-    so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
-                         num_scheduled_tokens={rid: 4 for rid in "abc"},
-                         total_num_scheduled_tokens=12)
+    new = [
+        NewRequestData(rid, [5 + i, 9, 13, 21], [], greedy, [1 + i], 0)
+        for i, rid in enumerate("abc")
+    ]
+    so = SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={rid: 4 for rid in "abc"},
+        total_num_scheduled_tokens=12,
+    )
     so.grammar_bitmask = _forcing(runner.vocab_size, [forced[r] for r in order])
     so.structured_req_ids = list(order)
     out = runner.execute_model(so)
     got = {rid: out.sampled_token_ids[out.req_id_to_index[rid]] for rid in "abc"}
-    runner.execute_model(SchedulerOutput(scheduled_new_reqs=[],
-                                         scheduled_cached_reqs=CachedRequestData(),
-                                         num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                                         finished_req_ids=set("abc")))
+    runner.execute_model(
+        SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            finished_req_ids=set("abc"),
+        )
+    )
     assert got == {rid: [t] for rid, t in forced.items()}

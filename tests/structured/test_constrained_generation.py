@@ -2,6 +2,7 @@
 constraint: every output is well formed by an independent checker (jsonschema,
 re.fullmatch, a hand-written parser of the EBNF, the choice list) and ended
 because the grammar was complete (finish reason "stop", not "length")."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,10 @@ SCHEMA = {
         "role": {"enum": ["admin", "user", "guest"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{0,5}$"},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Z][a-z]{0,5}$"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -40,7 +43,7 @@ item ::= num | list
 num ::= [0-9] | [1-9] [0-9]
 """
 
-CHOICES = ["yes", "no", "maybe so", "{\"quoted\": \"é\"}"]
+CHOICES = ["yes", "no", "maybe so", '{"quoted": "é"}']
 
 
 def parse_nested_list(text: str) -> list:

@@ -1,6 +1,7 @@
 """Async scheduling with a deferred grammar bitmask: the in-process executor
 gets step N+1 before step N's tokens are applied, and its worker waits for the
 mask only right before sampling. Oracle: the sync engine's tokens."""
+
 from __future__ import annotations
 
 import re
@@ -12,19 +13,36 @@ import pytest
 from tokenbudget.core import SamplingParams
 
 REGEX = r"\((add|sub|mul) [0-9]{1,3} [0-9]{1,3}\)"
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-          "required": ["n", "ok"], "additionalProperties": False}
-PROMPTS = ["The quick brown fox", "Answer:", "def fibonacci(n):", "{", "SELECT id FROM t",
-           "Result:"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "The quick brown fox",
+    "Answer:",
+    "def fibonacci(n):",
+    "{",
+    "SELECT id FROM t",
+    "Result:",
+]
 
 
 def _mixed(temperature: float) -> list[SamplingParams]:
     """Unstructured rows between structured ones (regex and JSON) that end
     at different steps, so some finish while the next step is in flight."""
     kinds = [None, {"regex": REGEX}, None, {"json_schema": SCHEMA}, None, {"regex": REGEX}]
-    return [SamplingParams(temperature=temperature, seed=7 + i if temperature else None,
-                           max_tokens=40, ignore_eos=kind is None, structured=kind)
-            for i, kind in enumerate(kinds)]
+    return [
+        SamplingParams(
+            temperature=temperature,
+            seed=7 + i if temperature else None,
+            max_tokens=40,
+            ignore_eos=kind is None,
+            structured=kind,
+        )
+        for i, kind in enumerate(kinds)
+    ]
 
 
 def _assert_well_formed(outs, params) -> None:
@@ -39,8 +57,9 @@ def test_deferred_bitmask_gives_the_sync_tokens(llm, llm_async, temperature, no_
     params = _mixed(temperature)
     sync = llm.generate(PROMPTS, params)
     overlapped = llm_async.generate(PROMPTS, params)
-    assert [(o.token_ids, o.finish_reason) for o in overlapped] == \
-        [(o.token_ids, o.finish_reason) for o in sync]
+    assert [(o.token_ids, o.finish_reason) for o in overlapped] == [
+        (o.token_ids, o.finish_reason) for o in sync
+    ]
     _assert_well_formed(overlapped, params)
     no_leaks(llm_async)
 
@@ -76,13 +95,20 @@ def test_next_step_is_sent_before_the_structured_step_is_applied(llm_async, monk
         return _Recorded(send(so), step, events)
 
     monkeypatch.setattr(executor, "execute_model", execute_model)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32, structured={"regex": REGEX})
-              for s in range(8)]
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=32, structured={"regex": REGEX})
+        for s in range(8)
+    ]
     llm_async.generate(["Answer:"] * 8, params)
     order = {event: i for i, event in enumerate(events)}
     # Step N+1 went out while structured step N was still unapplied.
-    overlapped = [n for n in structured if structured[n] and ("send", n + 1) in order
-                  and order[("send", n + 1)] < order[("result", n)]]
+    overlapped = [
+        n
+        for n in structured
+        if structured[n]
+        and ("send", n + 1) in order
+        and order[("send", n + 1)] < order[("result", n)]
+    ]
     assert len(overlapped) >= len([n for n in structured if structured[n]]) // 2, events
     # ... carrying a mask that could not be known yet.
     assert all(pending_at_send[n + 1] for n in overlapped if structured[n + 1])
@@ -108,8 +134,9 @@ def test_executor_without_opt_in_gets_a_concrete_mask(tiny_model, llm, monkeypat
             return super().execute_model(self._decoder.decode(self._encoder.encode(so)))
 
     monkeypatch.setattr(executor_module, "InProcessExecutor", RemoteStyle)
-    remote = LLM(tiny_model, num_gpu_blocks=512, max_num_seqs=64, max_model_len=1024,
-                 async_scheduling=True)
+    remote = LLM(
+        tiny_model, num_gpu_blocks=512, max_num_seqs=64, max_model_len=1024, async_scheduling=True
+    )
     try:
         assert not remote.engine._defer_masks
         params = _mixed(1.0)

@@ -1,5 +1,6 @@
 """Structured requests inside the engine: mixed batches, async scheduling,
 errors that reach the caller, and compiles that never stall other requests."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,12 @@ from tokenbudget.core import RequestStatus, SamplingParams
 from tokenbudget.core.structured.manager import GrammarError, GrammarTimeoutError
 
 REGEX = r"\((add|sub|mul) [0-9]{1,3} [0-9]{1,3}\)"
-PROMPTS = ["The quick brown fox", "Attention lets every position", "def fibonacci(n):",
-           "SELECT id, name FROM users"]
+PROMPTS = [
+    "The quick brown fox",
+    "Attention lets every position",
+    "def fibonacci(n):",
+    "SELECT id, name FROM users",
+]
 
 
 def _greedy(max_tokens: int = 24) -> SamplingParams:
@@ -45,14 +50,16 @@ def test_async_scheduling_bitmask_follows_the_previous_token(llm_async, no_leaks
     no_leaks(llm_async)
 
 
-@pytest.mark.parametrize("spec, problem", [
-    ({"json_schema": '{"type": "object", "properties": '}, r"json_schema is not valid JSON"),
-    ({"json_schema": {"type": "nope"}}, r"json_schema: .*nope"),
-    ({"regex": "[a-"}, r"regex: .*Unclosed '\['"),
-    ({"grammar": 'root ::= item\nitem ::= "a" missing'}, r"grammar: .*missing.* not defined"),
-])
-def test_invalid_spec_is_a_clear_error_and_leaves_the_engine_healthy(llm, spec, problem,
-                                                                    no_leaks):
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        ({"json_schema": '{"type": "object", "properties": '}, r"json_schema is not valid JSON"),
+        ({"json_schema": {"type": "nope"}}, r"json_schema: .*nope"),
+        ({"regex": "[a-"}, r"regex: .*Unclosed '\['"),
+        ({"grammar": 'root ::= item\nitem ::= "a" missing'}, r"grammar: .*missing.* not defined"),
+    ],
+)
+def test_invalid_spec_is_a_clear_error_and_leaves_the_engine_healthy(llm, spec, problem, no_leaks):
     ok = SamplingParams(temperature=0.0, max_tokens=4)
     bad = SamplingParams(max_tokens=8, structured=spec)
     with pytest.raises(ValueError, match=problem):
@@ -68,6 +75,7 @@ def test_compile_failure_after_submission_aborts_only_that_request(llm, monkeypa
     # A spec that parses but fails to compile: the error reaches generate().
     def failing(params):
         raise GrammarError(f"structured.{params.kind}: injected compile failure")
+
     monkeypatch.setattr(llm.structured_output, "compile", failing)
     spec = SamplingParams(max_tokens=16, structured={"regex": "late-fail-[0-9]"})
     with pytest.raises(ValueError, match="injected compile failure"):
@@ -101,9 +109,14 @@ def test_compiling_request_does_not_block_later_requests(llm, monkeypatch, no_le
     def slow_compile(params):
         release.wait(30)
         return real_compile(params)
+
     monkeypatch.setattr(manager, "compile", slow_compile)
-    [slow] = llm._make_requests("Answer:", SamplingParams(
-        temperature=1.0, seed=3, max_tokens=64, structured={"regex": r"slow-[0-9]{2}"}))[1]
+    [slow] = llm._make_requests(
+        "Answer:",
+        SamplingParams(
+            temperature=1.0, seed=3, max_tokens=64, structured={"regex": r"slow-[0-9]{2}"}
+        ),
+    )[1]
     fast = [llm._make_requests(p, _greedy(8))[1][0] for p in PROMPTS]
     engine.add_request(slow)  # first in the queue
     for r in fast:
@@ -115,8 +128,7 @@ def test_compiling_request_does_not_block_later_requests(llm, monkeypatch, no_le
     finally:
         release.set()
     outs = _run_until(engine, lambda outs: _finished(outs, slow.request_id))
-    text = llm.input_processor.decode(
-        [t for o in outs[slow.request_id] for t in o.new_token_ids])
+    text = llm.input_processor.decode([t for o in outs[slow.request_id] for t in o.new_token_ids])
     assert re.fullmatch(r"slow-[0-9]{2}", text), text
     no_leaks(llm)
 
@@ -126,14 +138,16 @@ def test_compile_timeout_aborts_with_a_clear_reason(llm, monkeypatch, no_leaks):
     release = threading.Event()
     real_compile = manager.compile
     # A real grammar once released: the compile cache sizes what it keeps.
-    monkeypatch.setattr(manager, "compile",
-                        lambda params: release.wait(30) and real_compile(params))
+    monkeypatch.setattr(
+        manager, "compile", lambda params: release.wait(30) and real_compile(params)
+    )
     monkeypatch.setattr(manager, "compile_timeout_s", 0.2)
     try:
         with pytest.raises(GrammarTimeoutError, match=r"regex: .*did not compile within 0.2 s"):
-            llm.generate(["Hello", "Answer:"], [
-                _greedy(4),
-                SamplingParams(max_tokens=8, structured={"regex": "timeout-[0-9]"})])
+            llm.generate(
+                ["Hello", "Answer:"],
+                [_greedy(4), SamplingParams(max_tokens=8, structured={"regex": "timeout-[0-9]"})],
+            )
     finally:
         release.set()
     no_leaks(llm)

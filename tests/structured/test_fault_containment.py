@@ -1,6 +1,7 @@
 """A structured request whose grammar matcher fails (cannot be built, or
 cannot fill its bitmask) fails alone: the others of its steps get the tokens
 they get without it, and nothing leaks (issue 10, defect 0)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,9 @@ _ids = itertools.count()
 
 
 def _params(seed: int, **extra) -> SamplingParams:
-    return SamplingParams(temperature=1.0, seed=seed, max_tokens=40,
-                          structured={"regex": REGEX}, **extra)
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=40, structured={"regex": REGEX}, **extra
+    )
 
 
 GOOD = [_params(1), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), _params(2)]
@@ -39,8 +41,9 @@ def _run(llm, prompts, params) -> list[tuple[list[int], str | None, Exception | 
 
 
 @pytest.mark.parametrize("engine", ["llm", "llm_async"])
-def test_a_matcher_that_cannot_be_built_fails_its_request_alone(engine, request, no_leaks,
-                                                                 model_vocab_size):
+def test_a_matcher_that_cannot_be_built_fails_its_request_alone(
+    engine, request, no_leaks, model_vocab_size
+):
     llm = request.getfixturevalue(engine)
     want = _run(llm, PROMPTS, GOOD)
     # xgrammar refuses a stop token outside the vocabulary when it builds the matcher.
@@ -56,7 +59,8 @@ def test_a_matcher_that_cannot_be_built_fails_its_request_alone(engine, request,
 
 @pytest.mark.parametrize("engine", ["llm", "llm_async"])
 def test_a_matcher_that_cannot_fill_its_bitmask_fails_its_request_alone(
-        engine, request, no_leaks, monkeypatch):
+    engine, request, no_leaks, monkeypatch
+):
     llm = request.getfixturevalue(engine)
     want = _run(llm, PROMPTS, GOOD)
     make_matcher = StructuredOutputManager._make_matcher
@@ -90,7 +94,8 @@ def test_a_matcher_that_cannot_fill_its_bitmask_fails_its_request_alone(
 
 @pytest.mark.parametrize("engine", ["llm", "llm_async"])
 def test_a_token_its_grammar_rejects_fails_the_request_and_is_not_output(
-        engine, request, no_leaks, monkeypatch):
+    engine, request, no_leaks, monkeypatch
+):
     """A worker that does not apply the grammar bitmask (its executor gets every step without
     one): greedy, the model's first token is not the regex's "(", so the structured request
     fails with finish reason "error" and a clear error, and that token is not output; the
@@ -100,14 +105,16 @@ def test_a_token_its_grammar_rejects_fails_the_request_and_is_not_output(
     token (the old rule): the token was output and the finish reason was "stop"."""
     llm = request.getfixturevalue(engine)
     greedy_regex = SamplingParams(temperature=0.0, max_tokens=40, structured={"regex": REGEX})
-    first = llm.generate({"prompt_token_ids": PROMPTS[0]},
-                         SamplingParams(temperature=0.0, max_tokens=1))[0].text
+    first = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0, max_tokens=1)
+    )[0].text
     assert not first.startswith("(")  # the grammar refuses the model's own choice
     want = _run(llm, PROMPTS[1:2], GOOD[1:2])
     executor = llm.engine.executor
     send = executor.execute_model
-    monkeypatch.setattr(executor, "execute_model",
-                        lambda so: send(dataclasses.replace(so, grammar_bitmask=None)))
+    monkeypatch.setattr(
+        executor, "execute_model", lambda so: send(dataclasses.replace(so, grammar_bitmask=None))
+    )
     got = _run(llm, PROMPTS[:2], [greedy_regex, GOOD[1]])
     assert got[1:] == want
     tokens, reason, error = got[0]

@@ -1,5 +1,6 @@
 """Shared fixtures: the three tiny VL checkpoints (built once per session),
 their loaded models and processors, and small test images."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,8 +70,10 @@ def make_png():
 
 def user_chat(*parts) -> list[dict]:
     """One user message; str parts are text, bytes/PIL parts are images."""
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p}
-               for p in parts]
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p}
+        for p in parts
+    ]
     return [{"role": "user", "content": content}]
 
 

@@ -1,4 +1,5 @@
 """MultiModalProcessor: placeholder expansion, features, hashing, errors."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +12,12 @@ from tokenbudget.worker.vision import mm_token_type_ids
 
 def test_checkpoint_token_ids_are_the_tokenizers(vl):
     tok, cfg = vl.processor.tokenizer, vl.model.config
-    for attr, token in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-                        ("vision_start_token_id", "<|vision_start|>"),
-                        ("vision_end_token_id", "<|vision_end|>")]:
+    for attr, token in [
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+    ]:
         assert getattr(cfg, attr) == tok.convert_tokens_to_ids(token)
     assert vl.model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert cfg.text_config.vocab_size >= len(tok)
@@ -24,7 +28,8 @@ def test_pad_run_length_is_grid_size_over_merge_squared(vl, two_image_chat):
     pad = vl.model.config.image_token_id
     merge = vl.model.config.vision_config.spatial_merge_size
     assert [i for i, t in enumerate(ids) if t == pad] == [
-        p for f in features for p in range(f.offset, f.offset + f.length)]
+        p for f in features for p in range(f.offset, f.offset + f.length)
+    ]
     for f in features:
         assert f.data["image_grid_thw"].shape == (1, 3)
         assert f.length == int(f.data["image_grid_thw"].prod()) // merge**2
@@ -41,8 +46,12 @@ def test_placeholders_match_the_models_image_features(vl, two_image_chat):
     with torch.inference_mode():
         per_image = vl.model.get_image_features(pixel_values, grid).pooler_output
         # The stock forward checks that pad count equals the feature count.
-        vl.model(input_ids=torch.tensor([ids]), pixel_values=pixel_values, image_grid_thw=grid,
-                 mm_token_type_ids=mm_token_type_ids(len(ids), features))
+        vl.model(
+            input_ids=torch.tensor([ids]),
+            pixel_values=pixel_values,
+            image_grid_thw=grid,
+            mm_token_type_ids=mm_token_type_ids(len(ids), features),
+        )
     assert [e.shape[0] for e in per_image] == [f.length for f in features]
 
 
@@ -50,11 +59,12 @@ def test_text_around_images_is_the_chat_template_rendering(vl, images, make_chat
     messages = make_chat("Describe", images[0], "now.")
     ids, (feature,) = vl.processor.process_messages(messages)
     tok = vl.processor.tokenizer
-    single = tok.encode(tok.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=True))
+    single = tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
     pad_at = single.index(vl.model.config.image_token_id)
-    assert ids[:feature.offset] == single[:pad_at]
-    assert ids[feature.offset + feature.length:] == single[pad_at + 1:]
+    assert ids[: feature.offset] == single[:pad_at]
+    assert ids[feature.offset + feature.length :] == single[pad_at + 1 :]
 
 
 def test_text_only_messages_have_no_features(vl):
@@ -76,8 +86,10 @@ def test_pil_images_hash_by_pixels(vl, make_chat):
     same = [Image.fromarray(pixels), Image.fromarray(pixels.copy())]
     other = pixels.copy()
     other[0, 0, 0] ^= 1
-    hashes = [vl.processor.process_messages(make_chat(im))[1][0].mm_hash
-              for im in [*same, Image.fromarray(other)]]
+    hashes = [
+        vl.processor.process_messages(make_chat(im))[1][0].mm_hash
+        for im in [*same, Image.fromarray(other)]
+    ]
     assert hashes[0] == hashes[1] != hashes[2]
 
 
@@ -115,7 +127,7 @@ def test_image_count_mismatch_in_a_raw_prompt(vl, images):
     with pytest.raises(ValueError, match=r"prompt: 0 image\(s\) but the prompt has 1"):
         vl.processor.process_prompt(prompt, [])
     ids, (f,) = vl.processor.process_prompt(prompt, images[:1])
-    assert ids[f.offset:f.offset + f.length] == [vl.processor.image_token_id] * f.length
+    assert ids[f.offset : f.offset + f.length] == [vl.processor.image_token_id] * f.length
 
 
 def test_unknown_part_type_names_the_field(vl):
@@ -128,14 +140,18 @@ def test_limit_mm_per_prompt_refuses_more_images_than_it_allows(vl, two_image_ch
     """vLLM's limit_mm_per_prompt ({"image": N}, server --limit-mm-per-prompt)."""
     from tokenbudget.server.engine.mm_processor import MultiModalProcessor
 
-    one = MultiModalProcessor(vl.processor.tokenizer, vl.processor.image_processor,
-                              max_images_per_prompt=1)
-    with pytest.raises(ValueError, match="messages: 2 images, more than the server's "
-                                         "limit_mm_per_prompt of 1 per prompt"):
+    one = MultiModalProcessor(
+        vl.processor.tokenizer, vl.processor.image_processor, max_images_per_prompt=1
+    )
+    with pytest.raises(
+        ValueError,
+        match="messages: 2 images, more than the server's limit_mm_per_prompt of 1 per prompt",
+    ):
         one.process_messages(two_image_chat)
     pad = vl.model.config.image_token_id
     ids, features = one.process_prompt([1, pad, 2], images[:1])
     assert len(features) == 1
-    two = MultiModalProcessor(vl.processor.tokenizer, vl.processor.image_processor,
-                              max_images_per_prompt=2)
+    two = MultiModalProcessor(
+        vl.processor.tokenizer, vl.processor.image_processor, max_images_per_prompt=2
+    )
     assert len(two.process_messages(two_image_chat)[1]) == 2

@@ -1,4 +1,5 @@
 """VisionEncoder against the model's own image feature path."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The runner's recipe (documented in tokenbudget.worker.vision) against the
 stock transformers forward and generate()."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,12 @@ def _embed_chunk(model, ids, start, end, features, encoder_outputs):
 
 def _run_lm(model, embeds, positions, lm_kwargs, cache=None):
     hidden = model.model.language_model(
-        inputs_embeds=embeds[None], position_ids=positions[:, None, :], past_key_values=cache,
-        use_cache=cache is not None, **lm_kwargs).last_hidden_state
+        inputs_embeds=embeds[None],
+        position_ids=positions[:, None, :],
+        past_key_values=cache,
+        use_cache=cache is not None,
+        **lm_kwargs,
+    ).last_hidden_state
     return model.lm_head(hidden[0])
 
 
@@ -67,8 +72,9 @@ def test_chunked_merge_builds_the_same_inputs(vl, prompt):
     encoder_outputs = VisionEncoder(vl.model).encode(features)
     full, full_kwargs = _embed_chunk(vl.model, ids, 0, len(ids), features, encoder_outputs)
     cuts = _cuts_through_both_images(features)[:-1] + [len(ids)]
-    chunks = [_embed_chunk(vl.model, ids, s, e, features, encoder_outputs)
-              for s, e in zip(cuts, cuts[1:])]
+    chunks = [
+        _embed_chunk(vl.model, ids, s, e, features, encoder_outputs) for s, e in zip(cuts, cuts[1:])
+    ]
     assert torch.equal(torch.cat([c[0] for c in chunks]), full)
     if vl.name == "qwen3_vl":
         masks = [c[1]["visual_pos_masks"] for c in chunks]
@@ -88,15 +94,19 @@ def test_packed_batch_of_two_requests_merges_each_segment(vl, prompt):
     second, second_kwargs = _embed_chunk(vl.model, ids, 0, mid, features, encoder_outputs)
     packed = vl.model.get_input_embeddings()(torch.tensor(ids[mid:] + ids[:mid]))
     lm_kwargs = merge_multimodal_embeddings(
-        packed, [(0, mid, len(ids), features), (len(ids) - mid, 0, mid, features)],
-        encoder_outputs)
+        packed, [(0, mid, len(ids), features), (len(ids) - mid, 0, mid, features)], encoder_outputs
+    )
     assert torch.equal(packed, torch.cat([first, second]))
     if vl.name == "qwen3_vl":
-        assert torch.equal(lm_kwargs["visual_pos_masks"], torch.cat(
-            [first_kwargs["visual_pos_masks"], second_kwargs["visual_pos_masks"]], dim=1))
-        for got, a, b in zip(lm_kwargs["deepstack_visual_embeds"],
-                             first_kwargs["deepstack_visual_embeds"],
-                             second_kwargs["deepstack_visual_embeds"]):
+        assert torch.equal(
+            lm_kwargs["visual_pos_masks"],
+            torch.cat([first_kwargs["visual_pos_masks"], second_kwargs["visual_pos_masks"]], dim=1),
+        )
+        for got, a, b in zip(
+            lm_kwargs["deepstack_visual_embeds"],
+            first_kwargs["deepstack_visual_embeds"],
+            second_kwargs["deepstack_visual_embeds"],
+        ):
             assert torch.equal(got, torch.cat([a, b]))
 
 
@@ -141,22 +151,31 @@ def test_chunked_prefill_and_decode_match_generate(vl, prompt):
         starting = [f for f in features if start <= f.offset < end]
         encoder_outputs.update(encoder.encode(starting))
         embeds, lm_kwargs = _embed_chunk(vl.model, ids, start, end, features, encoder_outputs)
-        chunk_logits.append(_run_lm(vl.model, embeds, mrope_positions_slice(
-            positions, delta, start, end), lm_kwargs, cache))
+        chunk_logits.append(
+            _run_lm(
+                vl.model,
+                embeds,
+                mrope_positions_slice(positions, delta, start, end),
+                lm_kwargs,
+                cache,
+            )
+        )
     assert encoder.num_calls == 2
-    torch.testing.assert_close(torch.cat(chunk_logits), _stock_logits(vl.model, ids, features),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.cat(chunk_logits), _stock_logits(vl.model, ids, features), rtol=1e-4, atol=1e-5
+    )
 
     tokens = [int(chunk_logits[-1][-1].argmax())]
     decode_logits = [chunk_logits[-1][-1:]]
     for i in range(len(ids), len(ids) + max_new_tokens - 1):
         embeds = vl.model.get_input_embeddings()(torch.tensor(tokens[-1:]))
-        decode_logits.append(_run_lm(
-            vl.model, embeds, mrope_positions_slice(positions, delta, i, i + 1), {}, cache))
+        decode_logits.append(
+            _run_lm(vl.model, embeds, mrope_positions_slice(positions, delta, i, i + 1), {}, cache)
+        )
         tokens.append(int(decode_logits[-1][-1].argmax()))
     assert tokens == hf_generate_vl_ids(vl.model, ids, features, max_new_tokens, ignore_eos=True)
     # Decode positions (index + delta) against the stock forward over prompt + outputs.
-    stock = _stock_logits(vl.model, ids + tokens[:-1], features)[len(ids) - 1:]
+    stock = _stock_logits(vl.model, ids + tokens[:-1], features)[len(ids) - 1 :]
     torch.testing.assert_close(torch.cat(decode_logits), stock, rtol=1e-4, atol=1e-5)
 
 
@@ -171,8 +190,10 @@ def test_engine_loaded_from_the_folder_gives_hf_generate_vl_tokens(vl, two_image
     # vision path and paged attention: it must give the oracle's tokens.
     llm = LLM(vl.path, dtype="float32", device="cpu", num_gpu_blocks=64)
     try:
-        got = llm.generate([{"messages": two_image_chat}],
-                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+        got = llm.generate(
+            [{"messages": two_image_chat}],
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )[0]
     finally:
         llm.shutdown()
     assert got.prompt_token_ids == ids

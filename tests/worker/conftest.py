@@ -1,5 +1,6 @@
 """Tiny checkpoints built once per session and loaded through the real loading code,
 plus the transformers oracle the engine's outputs are compared with."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,11 +25,17 @@ def prompts(hf_model) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
     """The oracle: transformers generate(), greedy, exactly max_new_tokens (EOS ignored)."""
+
     def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                    min_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, len(prompt):].tolist()
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        return out[0, len(prompt) :].tolist()
+
     return generate
 
 
@@ -42,10 +49,22 @@ def vl_chats() -> list[list[dict]]:
     """Two chats sharing one image; the first has two images."""
     a, b = random_png(60, 90, seed=1), random_png(70, 120, seed=2)
     return [
-        [{"role": "user", "content": [{"type": "text", "text": "Compare"},
-                                      {"type": "image", "image": a}, {"type": "text", "text": "with"},
-                                      {"type": "image", "image": b},
-                                      {"type": "text", "text": "please."}]}],
-        [{"role": "user", "content": [{"type": "image", "image": b},
-                                      {"type": "text", "text": "What is it?"}]}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare"},
+                    {"type": "image", "image": a},
+                    {"type": "text", "text": "with"},
+                    {"type": "image", "image": b},
+                    {"type": "text", "text": "please."},
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": b}, {"type": "text", "text": "What is it?"}],
+            }
+        ],
     ]

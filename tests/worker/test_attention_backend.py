@@ -1,6 +1,7 @@
 """Which attention backend ``auto`` picks: flash-attn only when it imports
 and passes a tiny self-check on the device, else SDPA with a warning. Fake
 flash_attn modules stand in for broken installs (no GPU needed)."""
+
 from __future__ import annotations
 
 import logging
@@ -20,16 +21,23 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 def _reference_varlen(q, k, v, *, cu_seqlens_q, max_seqlen_q, causal, **_):
     """A correct flash_attn_varlen_func for the self-check's inputs (SDPA per sequence)."""
     bounds = cu_seqlens_q.tolist()
-    return torch.cat([F.scaled_dot_product_attention(
-        *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=causal).transpose(0, 1)
-        for a, b in zip(bounds, bounds[1:])])
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=causal
+            ).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])
+        ]
+    )
 
 
 def _install_fake(monkeypatch, varlen=None, import_error: Exception | None = None):
     if import_error is not None:
+
         class Failing(types.ModuleType):
             def __getattr__(self, name):
                 raise import_error
+
         module = Failing("flash_attn")
     else:
         module = types.ModuleType("flash_attn")
@@ -65,8 +73,10 @@ def test_self_check_refuses_a_flash_attn_whose_kernel_raises(monkeypatch):
 
 
 def test_self_check_refuses_a_flash_attn_that_raises_on_import(monkeypatch):
-    _install_fake(monkeypatch, import_error=ImportError(
-        "flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice"))
+    _install_fake(
+        monkeypatch,
+        import_error=ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice"),
+    )
     problem = flash_attn_problem(CPU, torch.float32)
     assert "does not import" in problem and "undefined symbol" in problem
 
@@ -79,6 +89,7 @@ def found(monkeypatch):
 
     def set_problem(problem):
         monkeypatch.setattr(attention, "flash_attn_problem", lambda device, dtype: problem)
+
     return set_problem
 
 
@@ -105,26 +116,35 @@ def test_asking_for_a_broken_flash_attn_says_why(found):
 
 def test_auto_does_not_run_the_self_check_when_flash_attn_is_not_installed(monkeypatch):
     monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
-    monkeypatch.setattr(attention, "flash_attn_problem",
-                        lambda device, dtype: pytest.fail("self-check run"))
+    monkeypatch.setattr(
+        attention, "flash_attn_problem", lambda device, dtype: pytest.fail("self-check run")
+    )
     assert attention.resolve_backend("auto", CUDA, torch.float16) == "sdpa"
     with pytest.raises(ValueError, match="flash-attn package"):
         attention.resolve_backend("flash_attn", CUDA, torch.float16)
 
 
-@pytest.mark.parametrize("backend,block_size,warns", [
-    ("flash_attn", 16, True), ("flash_attn", 256, False), ("flash_attn", 512, False),
-    ("sdpa", 16, False)])
+@pytest.mark.parametrize(
+    "backend,block_size,warns",
+    [
+        ("flash_attn", 16, True),
+        ("flash_attn", 256, False),
+        ("flash_attn", 512, False),
+        ("sdpa", 16, False),
+    ],
+)
 def test_flash_attn_with_blocks_it_cannot_page_warns_at_kv_allocation(
-        tiny_qwen3_path, caplog, backend, block_size, warns):
+    tiny_qwen3_path, caplog, backend, block_size, warns
+):
     from tokenbudget.core import CacheConfig, SchedulerConfig
     from tokenbudget.worker.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu")
     runner.attention_backend = backend  # as resolved on a GPU; allocation is the same
     with caplog.at_level("WARNING"):
-        runner.initialize_kv_cache(CacheConfig(block_size=block_size, num_blocks=4),
-                                   SchedulerConfig(max_model_len=64))
+        runner.initialize_kv_cache(
+            CacheConfig(block_size=block_size, num_blocks=4), SchedulerConfig(max_model_len=64)
+        )
     said = [r.getMessage() for r in caplog.records if "block-size" in r.getMessage()]
     assert len(said) == warns
     if warns:

@@ -2,6 +2,7 @@
 runs on the paged KV cache: tiny GPT-2, Llama, Mistral, Phi, Gemma and Qwen2
 checkpoints, greedy token for token equal to transformers' generate(); what
 cannot run exactly is refused at load, saying why."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,14 +21,18 @@ MAX_NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    return {arch: build_tiny_decoder(tmp_path_factory.mktemp(arch), arch, seed=1)
-            for arch in ARCHITECTURES}
+    return {
+        arch: build_tiny_decoder(tmp_path_factory.mktemp(arch), arch, seed=1)
+        for arch in ARCHITECTURES
+    }
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
     rng = np.random.default_rng(3)
-    return [rng.integers(len(QWEN_SPECIAL_TOKENS), vocab_size - 64, size=n).tolist()
-            for n in PROMPT_LENS]
+    return [
+        rng.integers(len(QWEN_SPECIAL_TOKENS), vocab_size - 64, size=n).tolist()
+        for n in PROMPT_LENS
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -38,13 +43,21 @@ def test_greedy_equals_transformers_generate(checkpoints, arch):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(hf.config.vocab_size)
     with torch.no_grad():
-        expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW_TOKENS,
-                                min_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-                    for p in prompts]
+        expected = [
+            hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_NEW_TOKENS,
+                min_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
     # A 32-token budget chunks the longer prompts and mixes them with decodes.
     llm = LLM(path, max_num_batched_tokens=32, num_gpu_blocks=48, block_size=16)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True),
+    )
     assert [o.token_ids for o in outs] == expected
     llm.shutdown()
 
@@ -55,37 +68,68 @@ def test_kv_shape_comes_from_any_config():
     # GPT-2: n_layer / n_head / n_embd, no num_key_value_heads (multi-head attention).
     assert decoder_kv_shape(GPT2Config(n_layer=3, n_head=4, n_embd=64)) == (3, 4, 16)
     # Mistral: grouped-query attention, head_dim given.
-    assert decoder_kv_shape(MistralConfig(num_hidden_layers=2, num_attention_heads=8,
-                                          num_key_value_heads=2, hidden_size=64,
-                                          head_dim=32)) == (2, 2, 32)
+    assert decoder_kv_shape(
+        MistralConfig(
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            hidden_size=64,
+            head_dim=32,
+        )
+    ) == (2, 2, 32)
     # Gemma: a single KV head whose head_dim is not hidden / heads.
-    assert decoder_kv_shape(GemmaConfig(num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=1, hidden_size=64,
-                                        head_dim=32)) == (2, 1, 32)
+    assert decoder_kv_shape(
+        GemmaConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            hidden_size=64,
+            head_dim=32,
+        )
+    ) == (2, 1, 32)
 
 
 def test_a_sliding_window_narrower_than_the_context_caps_max_model_len(tmp_path):
     path = build_tiny_decoder(tmp_path / "mistral", "mistral", sliding_window=64)
     llm = LLM(path, num_gpu_blocks=16)
     assert llm.scheduler_config.max_model_len == 64
-    out = llm.generate({"prompt_token_ids": list(range(10, 60))},
-                       SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(
+        {"prompt_token_ids": list(range(10, 60))},
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    )[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 14  # 50 + 14 = 64
     llm.shutdown()
-    with pytest.raises(ValueError, match="max_model_len=128 exceeds the model's sliding "
-                                         "window of 64 tokens"):
+    with pytest.raises(
+        ValueError, match="max_model_len=128 exceeds the model's sliding window of 64 tokens"
+    ):
         LLM(path, max_model_len=128, num_gpu_blocks=16)
 
 
-@pytest.mark.parametrize("config_name, settings, reason", [
-    ("T5Config", dict(vocab_size=128, d_model=32, num_layers=1, num_heads=2),
-     "is an encoder-decoder; tokenbudget serves decoder-only models"),
-    ("Gemma2Config", dict(vocab_size=128, hidden_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16),
-     "soft-caps its attention scores"),
-])
-def test_models_the_paged_attention_cannot_run_are_refused_at_load(tmp_path, config_name,
-                                                                   settings, reason):
+@pytest.mark.parametrize(
+    "config_name, settings, reason",
+    [
+        (
+            "T5Config",
+            dict(vocab_size=128, d_model=32, num_layers=1, num_heads=2),
+            "is an encoder-decoder; tokenbudget serves decoder-only models",
+        ),
+        (
+            "Gemma2Config",
+            dict(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+            ),
+            "soft-caps its attention scores",
+        ),
+    ],
+)
+def test_models_the_paged_attention_cannot_run_are_refused_at_load(
+    tmp_path, config_name, settings, reason
+):
     import transformers
 
     getattr(transformers, config_name)(**settings).save_pretrained(tmp_path)  # no weights needed

@@ -7,6 +7,7 @@ additions, nothing else differs).
 Also: pooling across prefill chunks, in the same steps as greedy generation
 (whose tokens still equal generate()), with a shared prefix already cached,
 after preemption, and the default pooling a checkpoint declares."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,11 +28,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def hf_embed(hf_model):
     """The oracle: the base model's last hidden state, pooled."""
+
     def embed(prompt: list[int], pooling_type: str, normalize: bool) -> torch.Tensor:
         with torch.no_grad():
             hidden = hf_model.model(torch.tensor([prompt])).last_hidden_state[0].float()
         vec = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type]
         return torch.nn.functional.normalize(vec, dim=-1) if normalize else vec
+
     return embed
 
 
@@ -54,6 +57,7 @@ class StepLog:
         def execute(so):
             self.steps.append(dict(so.num_scheduled_tokens))
             return inner(so)
+
         llm.engine.executor.execute_model = execute
 
     def chunks(self, request_id: str) -> list[int]:
@@ -76,8 +80,9 @@ def chunky_llm(tiny_qwen3_path):
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "l2"])
 @pytest.mark.parametrize("pooling_type", POOLING_TYPES)
-def test_embeddings_equal_transformers_pooled_hidden_states(chunky_llm, prompts, hf_embed,
-                                                            pooling_type, normalize):
+def test_embeddings_equal_transformers_pooled_hidden_states(
+    chunky_llm, prompts, hf_embed, pooling_type, normalize
+):
     assert chunky_llm.engine.scheduler.reset_prefix_cache()  # LAST would hit the last run's
     log = StepLog(chunky_llm)
     params = PoolingParams(pooling_type, normalize)
@@ -99,27 +104,45 @@ def test_default_pooling_is_last_token_normalised_for_a_decoder(chunky_llm, prom
     assert_close(result.embedding, hf_embed(prompts[4], "LAST", True))
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 
 
-@pytest.mark.parametrize("engine_args", [
-    {"async_scheduling": False},
-    {"async_scheduling": True},
-    {"async_scheduling": False, "speculative_config": NGRAM},  # drafts beside pooling
-], ids=["sync", "async", "ngram-drafts"])
-def test_embeddings_share_steps_with_greedy_generation(tiny_qwen3_path, prompts, hf_embed,
-                                                       hf_greedy, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"async_scheduling": False},
+        {"async_scheduling": True},
+        {"async_scheduling": False, "speculative_config": NGRAM},  # drafts beside pooling
+    ],
+    ids=["sync", "async", "ngram-drafts"],
+)
+def test_embeddings_share_steps_with_greedy_generation(
+    tiny_qwen3_path, prompts, hf_embed, hf_greedy, engine_args
+):
     llm = make_llm(tiny_qwen3_path, max_num_batched_tokens=48, **engine_args)
     log = StepLog(llm)
     gen_prompts, emb_prompts = prompts[2:5], prompts[3:8]
     engine = llm.engine
-    gen = [build_requests(llm.input_processor, f"gen-{i}", {"prompt_token_ids": p}, GREEDY)[0]
-           for i, p in enumerate(gen_prompts)]
+    gen = [
+        build_requests(llm.input_processor, f"gen-{i}", {"prompt_token_ids": p}, GREEDY)[0]
+        for i, p in enumerate(gen_prompts)
+    ]
     kinds = ["MEAN", "LAST", "CLS", "MEAN", "LAST"]
-    emb = [build_pooling_request(llm.input_processor, f"emb-{i}", {"prompt_token_ids": p},
-                                 PoolingParams(kind, i % 2 == 0), llm.pooler_config)
-           for i, (p, kind) in enumerate(zip(emb_prompts, kinds))]
+    emb = [
+        build_pooling_request(
+            llm.input_processor,
+            f"emb-{i}",
+            {"prompt_token_ids": p},
+            PoolingParams(kind, i % 2 == 0),
+            llm.pooler_config,
+        )
+        for i, (p, kind) in enumerate(zip(emb_prompts, kinds))
+    ]
     for a, b in zip(gen + [None] * 2, emb):  # interleaved arrivals
         if a is not None:
             engine.add_request(a)
@@ -140,9 +163,12 @@ def test_embeddings_share_steps_with_greedy_generation(tiny_qwen3_path, prompts,
         assert finish[f"emb-{i}"] == "stop"
         assert_close(vectors[f"emb-{i}"].tolist(), hf_embed(p, kind, i % 2 == 0))
     # Some step computed a pooling chunk next to a generation request's decode.
-    decodes_with_pooling = [s for s in log.steps
-                            if any(k.startswith("emb") for k in s)
-                            and any(k.startswith("gen") and n == 1 for k, n in s.items())]
+    decodes_with_pooling = [
+        s
+        for s in log.steps
+        if any(k.startswith("emb") for k in s)
+        and any(k.startswith("gen") and n == 1 for k, n in s.items())
+    ]
     assert decodes_with_pooling
     if "speculative_config" in engine_args:  # drafts were verified while pooling ran
         assert llm.engine.scheduler.make_stats().spec_decoding.num_draft_tokens > 0
@@ -165,19 +191,30 @@ def test_shared_prefix_in_cache(tiny_qwen3_path, prompts, hf_embed):
         assert_close(result.embedding, hf_embed(p, kind, False))
 
 
-def test_preempted_embedding_recomputes_its_prompt(tiny_qwen3_path, prompts, hf_embed,
-                                                   hf_greedy):
+def test_preempted_embedding_recomputes_its_prompt(tiny_qwen3_path, prompts, hf_embed, hf_greedy):
     """Nine blocks of 16: two generation requests grow into the blocks a
     chunked MEAN embedding holds, so it is preempted mid-prefill (or they
     are) and recomputed from position 0; its sums restart there."""
-    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=10, max_num_batched_tokens=24,
-                   async_scheduling=False, enable_prefix_caching=False)
+    llm = make_llm(
+        tiny_qwen3_path,
+        num_gpu_blocks=10,
+        max_num_batched_tokens=24,
+        async_scheduling=False,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     long_gen = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    gen = [build_requests(llm.input_processor, f"gen-{i}", {"prompt_token_ids": p}, long_gen)[0]
-           for i, p in enumerate(prompts[2:4])]
-    emb = build_pooling_request(llm.input_processor, "emb", {"prompt_token_ids": prompts[5]},
-                                PoolingParams("MEAN", False), llm.pooler_config)
+    gen = [
+        build_requests(llm.input_processor, f"gen-{i}", {"prompt_token_ids": p}, long_gen)[0]
+        for i, p in enumerate(prompts[2:4])
+    ]
+    emb = build_pooling_request(
+        llm.input_processor,
+        "emb",
+        {"prompt_token_ids": prompts[5]},
+        PoolingParams("MEAN", False),
+        llm.pooler_config,
+    )
     for r in (*gen, emb):
         engine.add_request(r)
     tokens = {r.request_id: [] for r in gen}
@@ -195,11 +232,15 @@ def test_preempted_embedding_recomputes_its_prompt(tiny_qwen3_path, prompts, hf_
 
 # -- the model's default pooling --------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,normalize,expected", [
-    ("mean", False, PoolerConfig("MEAN", False)),
-    ("cls", True, PoolerConfig("CLS", True)),
-    ("lasttoken", True, PoolerConfig("LAST", True)),
-])
+
+@pytest.mark.parametrize(
+    "mode,normalize,expected",
+    [
+        ("mean", False, PoolerConfig("MEAN", False)),
+        ("cls", True, PoolerConfig("CLS", True)),
+        ("lasttoken", True, PoolerConfig("LAST", True)),
+    ],
+)
 def test_sentence_transformers_files_choose_the_default(tmp_path, mode, normalize, expected):
     add_sentence_transformers_files(tmp_path, mode, normalize)
     assert load_pooler_config(str(tmp_path)) == expected
@@ -208,8 +249,7 @@ def test_sentence_transformers_files_choose_the_default(tmp_path, mode, normaliz
 def test_pooler_config_setting_overrides_the_checkpoint_field_by_field(tmp_path):
     add_sentence_transformers_files(tmp_path, "mean", False)
     assert load_pooler_config(str(tmp_path), '{"normalize": true}') == PoolerConfig("MEAN", True)
-    assert load_pooler_config(str(tmp_path), {"pooling_type": "cls"}) == \
-        PoolerConfig("CLS", False)
+    assert load_pooler_config(str(tmp_path), {"pooling_type": "cls"}) == PoolerConfig("CLS", False)
     assert load_pooler_config(str(tmp_path / "none")) == PoolerConfig("LAST", True)
 
 
@@ -228,24 +268,31 @@ def test_checkpoint_default_reaches_llm_embed(tiny_qwen3_path, tmp_path, prompts
 
 # -- bad options --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"pooling_type": "MAX"}, "pooling_type"),
-    ({"pooling_type": 3}, "pooling_type"),
-    ({"normalize": "yes"}, "normalize"),
-    ({"normalize": 1}, "normalize"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"pooling_type": "MAX"}, "pooling_type"),
+        ({"pooling_type": 3}, "pooling_type"),
+        ({"normalize": "yes"}, "normalize"),
+        ({"normalize": 1}, "normalize"),
+    ],
+)
 def test_bad_pooling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} must be"):
         PoolingParams(**kwargs)
 
 
-@pytest.mark.parametrize("value,message", [
-    ('{"pooling_type": "ALL"}', "pooler_config.pooling_type must be one of LAST, MEAN, CLS"),
-    ('{"normalize": "no"}', "pooler_config.normalize must be true or false"),
-    ('{"dimensions": 8}', r"pooler_config.dimensions: not supported"),
-    ("MEAN", "pooler_config: not JSON"),
-    ("[1]", "pooler_config must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ('{"pooling_type": "ALL"}', "pooler_config.pooling_type must be one of LAST, MEAN, CLS"),
+        ('{"normalize": "no"}', "pooler_config.normalize must be true or false"),
+        ('{"dimensions": 8}', r"pooler_config.dimensions: not supported"),
+        ("MEAN", "pooler_config: not JSON"),
+        ("[1]", "pooler_config must be a JSON object"),
+    ],
+)
 def test_bad_pooler_config_is_refused_before_loading(value, message):
     with pytest.raises(ValueError, match=message):
         LLM("/nonexistent/model", pooler_config=value)
@@ -259,6 +306,7 @@ def test_embed_refuses_sampling_params_in_place_of_pooling_params(chunky_llm):
 
 
 # -- vision-language models -------------------------------------------------------------------
+
 
 def test_vl_embedding_with_an_image_across_chunks(tmp_path, vl_chats):
     """A chat with two images, pooled in 16-token chunks that cut through the
@@ -279,7 +327,8 @@ def test_vl_embedding_with_an_image_across_chunks(tmp_path, vl_chats):
             input_ids=torch.tensor([ids]),
             pixel_values=torch.cat([f.data["pixel_values"] for f in features]),
             image_grid_thw=torch.cat([f.data["image_grid_thw"] for f in features]),
-            mm_token_type_ids=mm_token_type_ids(len(ids), features)).last_hidden_state[0]
+            mm_token_type_ids=mm_token_type_ids(len(ids), features),
+        ).last_hidden_state[0]
     llm = make_llm(path, num_gpu_blocks=64, max_num_batched_tokens=16)
     log = StepLog(llm)
     for kind, want in (("MEAN", hidden.mean(0)), ("LAST", hidden[-1])):

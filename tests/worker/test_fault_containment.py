@@ -5,6 +5,7 @@ sampler's top-k raise after the tokens were drawn, so the bisection must
 also give the seeded requests their generators back. The oracle is the same
 batch without the bad request.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,9 +20,11 @@ from tokenbudget.server.entrypoints.llm import LLM
 torch.set_num_threads(1)
 
 PROMPTS = [list(range(10 + 7 * i, 30 + 7 * i)) for i in range(3)]
-GOOD = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
-        SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, logprobs=2)]
+GOOD = [
+    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, logprobs=2),
+]
 
 
 _ids = itertools.count()
@@ -46,14 +49,21 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_that_breaks_the_sampler_fails_alone(tiny_qwen3_path, async_scheduling):
-    llm = LLM(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa",
-              num_gpu_blocks=64, async_scheduling=async_scheduling)
+    llm = LLM(
+        tiny_qwen3_path,
+        dtype="float32",
+        device="cpu",
+        attention_backend="sdpa",
+        num_gpu_blocks=64,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.engine
     try:
         runner = engine.executor.worker.model_runner
         want = [_tokens(o) for o in _run(engine, PROMPTS, GOOD).values()]
-        bad = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True,
-                             logprobs=runner.vocab_size + 5)
+        bad = SamplingParams(
+            max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=runner.vocab_size + 5
+        )
         # All four share the first step, where the bad one fails.
         got = list(_run(engine, PROMPTS + [[5, 6, 7]], GOOD + [bad]).values())
         assert [_tokens(o) for o in got[:3]] == want
@@ -68,8 +78,10 @@ def test_a_request_that_breaks_the_sampler_fails_alone(tiny_qwen3_path, async_sc
         assert not sched.requests and pool.get_num_free_blocks() == pool.num_blocks - 1
         assert not runner.failed  # the worker forgot it once the scheduler finished it
         # The engine still serves, and the offline API reports the same batch.
-        assert [r.outputs[0].token_ids for r in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], GOOD)] == want
+        assert [
+            r.outputs[0].token_ids
+            for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GOOD)
+        ] == want
     finally:
         llm.shutdown()
 
@@ -77,16 +89,24 @@ def test_a_request_that_breaks_the_sampler_fails_alone(tiny_qwen3_path, async_sc
 def test_a_failure_every_request_shares_is_a_step_error(tiny_qwen3_path, monkeypatch):
     from tokenbudget.worker import model_runner
 
-    llm = LLM(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa",
-              num_gpu_blocks=64, async_scheduling=False)
+    llm = LLM(
+        tiny_qwen3_path,
+        dtype="float32",
+        device="cpu",
+        attention_backend="sdpa",
+        num_gpu_blocks=64,
+        async_scheduling=False,
+    )
     try:
+
         def broken(self, *args, **kwargs):
             raise RuntimeError("the model is broken")
 
         monkeypatch.setattr(model_runner.ModelRunner, "_forward", broken)
         with pytest.raises(RuntimeError, match="the model is broken"):
-            llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
-                         SamplingParams(max_tokens=4))
+            llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS[:2]], SamplingParams(max_tokens=4)
+            )
     finally:
         llm.shutdown()
 
@@ -95,8 +115,14 @@ def test_a_request_whose_inputs_cannot_be_prepared_fails_alone(tiny_qwen3_path, 
     from tokenbudget.core.failures import InvalidRequestError
     from tokenbudget.worker import model_runner
 
-    llm = LLM(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa",
-              num_gpu_blocks=64, async_scheduling=True)
+    llm = LLM(
+        tiny_qwen3_path,
+        dtype="float32",
+        device="cpu",
+        attention_backend="sdpa",
+        num_gpu_blocks=64,
+        async_scheduling=True,
+    )
     engine = llm.engine
     try:
         want = [_tokens(o) for o in _run(engine, PROMPTS, GOOD).values()]
@@ -114,8 +140,9 @@ def test_a_request_whose_inputs_cannot_be_prepared_fails_alone(tiny_qwen3_path, 
         (failure,) = got[0]
         assert failure.finish_reason == "error"
         assert isinstance(failure.error, InvalidRequestError)  # gRPC INVALID_ARGUMENT
-        assert str(failure.error) == ("the request failed: ValueError: seed 13 is not "
-                                      "accepted by this device")
+        assert str(failure.error) == (
+            "the request failed: ValueError: seed 13 is not accepted by this device"
+        )
         pool = engine.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks - 1
     finally:

@@ -1,4 +1,5 @@
 """Prompt forms, validation errors, and streaming detokenization."""
+
 from __future__ import annotations
 
 import random
@@ -19,18 +20,22 @@ def test_prompt_forms_tokenize_like_the_tokenizer(processor):
     assert processor.process({"prompt_token_ids": [9, 10, 11]}) == ([9, 10, 11], [])
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     rendered = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert processor.process({"messages": messages})[0] == tok.encode(rendered,
-                                                                     add_special_tokens=False)
+    assert processor.process({"messages": messages})[0] == tok.encode(
+        rendered, add_special_tokens=False
+    )
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
-    ({"prompt_token_ids": [1, 10**6]}, r"prompt_token_ids: token id 1000000 is not an integer"),
-    ({"prompt_token_ids": [1, -1]}, r"prompt_token_ids: token id -1"),
-    ({"prompt_token_ids": "abc"}, "prompt_token_ids must be a list of ints"),
-    ({"text": "hi"}, "prompt dict needs one of"),
-    (42, "prompt must be a str or a dict"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
+        ({"prompt_token_ids": [1, 10**6]}, r"prompt_token_ids: token id 1000000 is not an integer"),
+        ({"prompt_token_ids": [1, -1]}, r"prompt_token_ids: token id -1"),
+        ({"prompt_token_ids": "abc"}, "prompt_token_ids must be a list of ints"),
+        ({"text": "hi"}, "prompt dict needs one of"),
+        (42, "prompt must be a str or a dict"),
+    ],
+)
 def test_bad_prompts_raise_errors_naming_the_field(processor, prompt, message):
     with pytest.raises(ValueError, match=message):
         processor.process(prompt)
@@ -76,8 +81,9 @@ def _reference_text(tokenizer, ids, skip, spaces):
     return (" " if spaces else "").join(subs)
 
 
-@pytest.mark.parametrize("skip, spaces", [(True, False), (False, False), (False, True),
-                                          (True, True)])
+@pytest.mark.parametrize(
+    "skip, spaces", [(True, False), (False, False), (False, True), (True, True)]
+)
 def test_incremental_text_equals_a_full_decode_on_random_byte_fragments(processor, skip, spaces):
     """Random ids split characters across tokens and mix in special tokens; fed one
     at a time or in bursts, the deltas add up to the full decode (with
@@ -86,18 +92,24 @@ def test_incremental_text_equals_a_full_decode_on_random_byte_fragments(processo
     rng = random.Random(7)
     specials = sorted(tok.added_tokens_decoder)
     for _ in range(150):
-        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
-               for _ in range(rng.randint(1, 30))]
-        detok = processor.detokenizer(skip_special_tokens=skip,
-                                      spaces_between_special_tokens=spaces)
+        ids = [
+            rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
+            for _ in range(rng.randint(1, 30))
+        ]
+        detok = processor.detokenizer(
+            skip_special_tokens=skip, spaces_between_special_tokens=spaces
+        )
         pos, deltas = 0, []
         while pos < len(ids):
             burst = rng.choice((1, 1, 1, 3))
-            deltas.append(detok.add(ids[pos:pos + burst]))
+            deltas.append(detok.add(ids[pos : pos + burst]))
             pos += burst
         deltas.append(detok.flush())
-        expected = (_reference_text(tok, ids, skip, spaces) if spaces
-                    else tok.decode(ids, skip_special_tokens=skip))
+        expected = (
+            _reference_text(tok, ids, skip, spaces)
+            if spaces
+            else tok.decode(ids, skip_special_tokens=skip)
+        )
         assert "".join(deltas) == detok.text == expected, ids
 
 

@@ -3,6 +3,7 @@ exactly as many blocks as fit, computed here from the checkpoint's config.
 On a GPU, checked here with a faked device: after a profile forward of a full
 token budget, the cache gets ``total * gpu_memory_utilization - peak`` bytes
 (``torch.cuda``'s memory queries are faked; the forward runs for real)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,15 +24,23 @@ def _bytes_per_block(path: str, block_size: int) -> int:
 
 def test_kv_cache_memory_sets_the_number_of_blocks(tiny_qwen3_path):
     per_block = _bytes_per_block(tiny_qwen3_path, 16)
-    llm = LLM(tiny_qwen3_path, dtype="float32", device="cpu", kv_cache_memory="1MiB",
-              async_scheduling=False)
+    llm = LLM(
+        tiny_qwen3_path,
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory="1MiB",
+        async_scheduling=False,
+    )
     try:
         assert llm.cache_config.num_blocks == (1 << 20) // per_block
         pool = llm.engine.scheduler.kv_cache_manager.block_pool
         assert pool.num_blocks == llm.cache_config.num_blocks
         caches = llm.engine.executor.worker.model_runner.kv_caches
-        assert sum(c.numel() * c.element_size() for c in caches) == \
-            llm.cache_config.num_blocks * per_block <= 1 << 20
+        assert (
+            sum(c.numel() * c.element_size() for c in caches)
+            == llm.cache_config.num_blocks * per_block
+            <= 1 << 20
+        )
     finally:
         llm.shutdown()
 
@@ -47,12 +56,17 @@ def test_a_kv_cache_memory_too_small_for_two_blocks_is_refused(tiny_qwen3_path):
     runner = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu")
     per_block = _bytes_per_block(tiny_qwen3_path, 16)
     with pytest.raises(ValueError, match="KV cache too small"):
-        runner.initialize_kv_cache(CacheConfig(kv_cache_memory_bytes=2 * per_block - 1),
-                                   SchedulerConfig())
+        runner.initialize_kv_cache(
+            CacheConfig(kv_cache_memory_bytes=2 * per_block - 1), SchedulerConfig()
+        )
     # Today the floor is two blocks (the null block and one more); a cache that
     # cannot hold one max_model_len request is not refused yet (issue 16).
-    assert runner.initialize_kv_cache(CacheConfig(kv_cache_memory_bytes=2 * per_block),
-                                      SchedulerConfig(max_model_len=4096)) == 2
+    assert (
+        runner.initialize_kv_cache(
+            CacheConfig(kv_cache_memory_bytes=2 * per_block), SchedulerConfig(max_model_len=4096)
+        )
+        == 2
+    )
 
 
 GiB = 1 << 30
@@ -66,11 +80,13 @@ class FakeCudaMemory:
         self.events: list[str] = []
 
     def install(self, monkeypatch) -> None:
-        monkeypatch.setattr(torch.cuda, "mem_get_info",
-                            lambda device=None: (self.total - self.peak, self.total))
+        monkeypatch.setattr(
+            torch.cuda, "mem_get_info", lambda device=None: (self.total - self.peak, self.total)
+        )
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", self._max_allocated)
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                            lambda device=None: self.events.append("reset"))
+        monkeypatch.setattr(
+            torch.cuda, "reset_peak_memory_stats", lambda device=None: self.events.append("reset")
+        )
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
@@ -98,11 +114,13 @@ def runner(tiny_qwen3_path) -> ModelRunner:
 
 @pytest.mark.parametrize("budget,max_model_len", [(512, 4096), (8192, 300)])
 def test_profile_runs_a_full_budget_forward_then_leaves_the_rest_for_kv(
-        runner, monkeypatch, budget, max_model_len):
+    runner, monkeypatch, budget, max_model_len
+):
     runner.fake_cuda.install(monkeypatch)
     free = runner._profile_free_memory(
         CacheConfig(gpu_memory_utilization=0.9),
-        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_model_len))
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_model_len),
+    )
     assert free == int(80 * GiB * 0.9) - 3 * GiB
     # One forward of the step's largest token count (capped by max_model_len),
     # with the peak reset before it and read after it.
@@ -113,5 +131,9 @@ def test_profile_runs_a_full_budget_forward_then_leaves_the_rest_for_kv(
 def test_a_peak_above_the_utilisation_share_leaves_nothing(runner, monkeypatch):
     runner.fake_cuda.peak = 79 * GiB
     runner.fake_cuda.install(monkeypatch)
-    assert runner._profile_free_memory(CacheConfig(gpu_memory_utilization=0.9),
-                                       SchedulerConfig(max_num_batched_tokens=64)) == 0
+    assert (
+        runner._profile_free_memory(
+            CacheConfig(gpu_memory_utilization=0.9), SchedulerConfig(max_num_batched_tokens=64)
+        )
+        == 0
+    )

@@ -1,6 +1,7 @@
 """The host KV tier through LLM on the tiny Qwen3 (float32, CPU): greedy tokens
 equal transformers generate() under heavy preemption with nothing recomputed,
 and a prefix evicted to the host comes back as exactly the KV it was."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,14 +36,22 @@ GREEDY_40 = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 # Without prefix caching only the swap can spare the recompute (with it, blocks
 # freed at preemption may also come back as device or host prefix hits).
-@pytest.mark.parametrize("async_scheduling,caching", [(False, True), (False, False),
-                                                      (True, True)],
-                         ids=["sync", "sync-no-prefix-cache", "async"])
-def test_swapped_requests_recompute_nothing_and_match_transformers(tiny_qwen3_path, crowded,
-                                                                   async_scheduling, caching):
+@pytest.mark.parametrize(
+    "async_scheduling,caching",
+    [(False, True), (False, False), (True, True)],
+    ids=["sync", "sync-no-prefix-cache", "async"],
+)
+def test_swapped_requests_recompute_nothing_and_match_transformers(
+    tiny_qwen3_path, crowded, async_scheduling, caching
+):
     prompts, expected = crowded
-    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, num_offload_blocks=64,
-                   async_scheduling=async_scheduling, enable_prefix_caching=caching)
+    llm = make_llm(
+        tiny_qwen3_path,
+        num_gpu_blocks=20,
+        num_offload_blocks=64,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=caching,
+    )
     results = llm.generate(token_prompts(prompts), GREEDY_40)
     stats = llm.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0
@@ -70,11 +79,12 @@ def _block_kv(llm: LLM, block_id: int) -> torch.Tensor:
 
 def test_a_host_hit_restores_exactly_the_evicted_kv(tiny_qwen3_path, hf_greedy):
     rng = np.random.default_rng(2)
-    shared = rng.integers(10, 1000, size=65).tolist()   # 4 full blocks + 1
+    shared = rng.integers(10, 1000, size=65).tolist()  # 4 full blocks + 1
     other = rng.integers(10, 1000, size=170).tolist()
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=12, num_offload_blocks=32,
-                   enable_kv_cache_events=True)
+    llm = make_llm(
+        tiny_qwen3_path, num_gpu_blocks=12, num_offload_blocks=32, enable_kv_cache_events=True
+    )
     events = llm.subscribe_kv_events()
     scheduler = llm.engine.scheduler
     device = scheduler.kv_cache_manager.block_pool.cached
@@ -107,15 +117,24 @@ def test_a_host_hit_restores_exactly_the_evicted_kv(tiny_qwen3_path, hf_greedy):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_swap_with_speculative_decoding_matches_transformers(tiny_qwen3_path, crowded,
-                                                             async_scheduling):
+def test_swap_with_speculative_decoding_matches_transformers(
+    tiny_qwen3_path, crowded, async_scheduling
+):
     """Draft positions computed before a preemption are not restored as if
     verified: the resumed request recomputes only from its last known token."""
     prompts, expected = crowded
-    llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, num_offload_blocks=64,
-                   async_scheduling=async_scheduling,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    llm = make_llm(
+        tiny_qwen3_path,
+        num_gpu_blocks=20,
+        num_offload_blocks=64,
+        async_scheduling=async_scheduling,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
     results = llm.generate(token_prompts(prompts), GREEDY_40)
     stats = llm.engine.scheduler.make_stats()
     assert stats.spec_decoding.num_drafts > 0
@@ -128,8 +147,13 @@ def test_tensor_parallel_ranks_each_swap_their_shard_of_the_kv(tiny_qwen3_path, 
     """Every rank runs the step's copies on its own KV heads: had one skipped
     or misplaced them, its half of the attention would read other KV."""
     prompts, expected = crowded
-    llm = make_llm(tiny_qwen3_path, tensor_parallel_size=2, num_gpu_blocks=20,
-                   num_offload_blocks=64, enable_prefix_caching=False)
+    llm = make_llm(
+        tiny_qwen3_path,
+        tensor_parallel_size=2,
+        num_gpu_blocks=20,
+        num_offload_blocks=64,
+        enable_prefix_caching=False,
+    )
     try:
         results = llm.generate(token_prompts(prompts), GREEDY_40)
         stats = llm.engine.scheduler.make_stats()

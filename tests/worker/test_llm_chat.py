@@ -1,5 +1,6 @@
 """LLM.chat like vLLM's: one conversation or several, the tokenizer's chat
 template or one given for the call; and LLM's per-request limits."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,10 @@ from tokenbudget.server import LLM
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
-CAPITAL = [{"role": "system", "content": "Be brief."},
-           {"role": "user", "content": "What is the capital of France?"}]
+CAPITAL = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +27,17 @@ def test_chat_renders_one_conversation_with_the_chat_template(llm):
     [out] = llm.chat(HELLO, GREEDY)
     text = llm.tokenizer.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
-    assert out.token_ids == llm.generate({"prompt_token_ids": out.prompt_token_ids},
-                                         GREEDY)[0].token_ids
+    assert (
+        out.token_ids
+        == llm.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY)[0].token_ids
+    )
 
 
 def test_chat_takes_a_list_of_conversations(llm):
     outs = llm.chat([HELLO, CAPITAL], GREEDY)
-    assert [o.prompt_token_ids for o in outs] == [llm.chat(c, GREEDY)[0].prompt_token_ids
-                                                   for c in (HELLO, CAPITAL)]
+    assert [o.prompt_token_ids for o in outs] == [
+        llm.chat(c, GREEDY)[0].prompt_token_ids for c in (HELLO, CAPITAL)
+    ]
     assert outs[0].prompt_token_ids != outs[1].prompt_token_ids
 
 

@@ -1,5 +1,6 @@
 """Greedy tokens through LLM equal transformers generate(), token for token, in
 float32 on CPU: mixed batches, chunked prefill, prefix-cache hits, preemption."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,14 +23,19 @@ def make_llm(path, **kwargs) -> LLM:
     return LLM(path, dtype="float32", device="cpu", **kwargs)
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    {"max_num_batched_tokens": 64},                      # chunked prefill
-    {"async_scheduling": True},                          # worker feeds its own tokens
-    {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
-], ids=["one-batch", "chunked-prefill", "async", "small-chunks-small-blocks"])
-def test_greedy_batch_equals_transformers_generate(tiny_qwen3_path, prompts, hf_greedy_16,
-                                                    overlap_recorder, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 64},  # chunked prefill
+        {"async_scheduling": True},  # worker feeds its own tokens
+        {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
+    ],
+    ids=["one-batch", "chunked-prefill", "async", "small-chunks-small-blocks"],
+)
+def test_greedy_batch_equals_transformers_generate(
+    tiny_qwen3_path, prompts, hf_greedy_16, overlap_recorder, engine_args
+):
     llm = make_llm(tiny_qwen3_path, **engine_args)
     recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate(token_prompts(prompts), GREEDY)
@@ -41,8 +47,7 @@ def test_greedy_batch_equals_transformers_generate(tiny_qwen3_path, prompts, hf_
     assert [r.prompt_token_ids for r in results] == prompts
 
 
-def test_repeated_prompt_hits_prefix_cache_and_keeps_output(tiny_qwen3_path, prompts,
-                                                            hf_greedy_16):
+def test_repeated_prompt_hits_prefix_cache_and_keeps_output(tiny_qwen3_path, prompts, hf_greedy_16):
     llm = make_llm(tiny_qwen3_path)
     first = llm.generate(token_prompts(prompts[-2:]), GREEDY)
     again = llm.generate(token_prompts(prompts[-2:]), GREEDY)
@@ -65,8 +70,9 @@ def crowded(hf_greedy):
 def test_preempted_requests_recompute_and_match(tiny_qwen3_path, crowded, prefix_caching):
     prompts, expected = crowded
     llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, enable_prefix_caching=prefix_caching)
-    results = llm.generate(token_prompts(prompts),
-                           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    results = llm.generate(
+        token_prompts(prompts), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    )
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
     assert [r.token_ids for r in results] == expected
 
@@ -75,8 +81,10 @@ def test_seeded_sampling_survives_preemption(tiny_qwen3_path, crowded):
     """The worker keeps a preempted request's generator: after recomputation
     the seeded stream continues exactly where it stopped."""
     prompts, _ = crowded
-    params = [SamplingParams(max_tokens=40, temperature=1.0, top_k=50, seed=100 + i,
-                             ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, top_k=50, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     roomy = make_llm(tiny_qwen3_path).generate(token_prompts(prompts), params)
     tight_llm = make_llm(tiny_qwen3_path, num_gpu_blocks=20, enable_prefix_caching=False)
     tight = tight_llm.generate(token_prompts(prompts), params)
@@ -91,7 +99,7 @@ def test_logprobs_are_log_softmax_of_transformers_logits(tiny_qwen3_path, prompt
     for prompt, res in zip(prompts, results):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + res.token_ids])).logits[0]
-        ref = torch.log_softmax(logits[len(prompt) - 1:-1].double(), dim=-1)
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1].double(), dim=-1)
         assert len(res.logprobs) == len(res.token_ids) == 8
         for step, (token, lp) in enumerate(zip(res.token_ids, res.logprobs)):
             top5 = set(ref[step].topk(5).indices.tolist())
@@ -100,15 +108,17 @@ def test_logprobs_are_log_softmax_of_transformers_logits(tiny_qwen3_path, prompt
                 assert abs(value - ref[step, tid].item()) < 1e-4
 
 
-def test_text_prompts_and_chat_messages_are_tokenized_like_the_tokenizer(tiny_qwen3_path,
-                                                                         hf_model):
+def test_text_prompts_and_chat_messages_are_tokenized_like_the_tokenizer(tiny_qwen3_path, hf_model):
     llm = make_llm(tiny_qwen3_path)
     tok = llm.tokenizer
     messages = [{"role": "user", "content": "What is paged attention?"}]
-    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)
-    text_res, chat_res = llm.generate(["The quick brown fox", {"messages": messages}],
-                                      SamplingParams(max_tokens=8, temperature=0.0))
+    chat_ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    text_res, chat_res = llm.generate(
+        ["The quick brown fox", {"messages": messages}],
+        SamplingParams(max_tokens=8, temperature=0.0),
+    )
     assert text_res.prompt_token_ids == tok.encode("The quick brown fox")
     assert chat_res.prompt_token_ids == list(chat_ids)
     assert chat_res.text == tok.decode(chat_res.token_ids, skip_special_tokens=True)

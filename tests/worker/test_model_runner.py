@@ -1,11 +1,18 @@
 """ModelRunner driven by hand-built SchedulerOutputs: the persistent batch
 follows finish / preempt / resume deltas, and speculative drafts are verified."""
+
 from __future__ import annotations
 
 import pytest
 
-from tokenbudget.core import (CacheConfig, CachedRequestData, NewRequestData, SamplingParams,
-                              SchedulerConfig, SchedulerOutput)
+from tokenbudget.core import (
+    CacheConfig,
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tokenbudget.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
@@ -15,8 +22,10 @@ BS = 4
 @pytest.fixture
 def runner(tiny_qwen3_path):
     r = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa")
-    r.initialize_kv_cache(CacheConfig(block_size=BS, num_blocks=64),
-                          SchedulerConfig(max_num_seqs=4, max_model_len=256))
+    r.initialize_kv_cache(
+        CacheConfig(block_size=BS, num_blocks=64),
+        SchedulerConfig(max_num_seqs=4, max_model_len=256),
+    )
     return r
 
 
@@ -36,9 +45,15 @@ def step(new=(), cached=(), finished=(), preempted=(), spec=None):
         if resumed is not None:
             data.resumed_token_ids[rid] = resumed
         num_sched[rid] = n
-    return SchedulerOutput(list(new), data, num_sched, sum(num_sched.values()),
-                           scheduled_spec_decode_tokens=spec or {},
-                           finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+    return SchedulerOutput(
+        list(new),
+        data,
+        num_sched,
+        sum(num_sched.values()),
+        scheduled_spec_decode_tokens=spec or {},
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+    )
 
 
 def sampled(out, rid):
@@ -46,11 +61,16 @@ def sampled(out, rid):
 
 
 def test_finish_preempt_and_resume_keep_the_batch_consistent(runner, prompts, hf_greedy_16):
-    pa, pb = prompts[1], prompts[3]          # 7 and 33 tokens
+    pa, pb = prompts[1], prompts[3]  # 7 and 33 tokens
     ref_a, ref_b = hf_greedy_16[1], hf_greedy_16[3]
-    out = runner.execute_model(step(new=[
-        NewRequestData("a", pa, [], GREEDY, blocks(1, 12), 0),
-        NewRequestData("b", pb, [], GREEDY, blocks(10, 36), 0)]))
+    out = runner.execute_model(
+        step(
+            new=[
+                NewRequestData("a", pa, [], GREEDY, blocks(1, 12), 0),
+                NewRequestData("b", pb, [], GREEDY, blocks(10, 36), 0),
+            ]
+        )
+    )
     assert sampled(out, "a") == ref_a[:1] and sampled(out, "b") == ref_b[:1]
     out = runner.execute_model(step(cached=[("a", [], 7, 1, None), ("b", [], 33, 1, None)]))
     assert sampled(out, "a") == ref_a[1:2] and sampled(out, "b") == ref_b[1:2]
@@ -60,21 +80,22 @@ def test_finish_preempt_and_resume_keep_the_batch_consistent(runner, prompts, hf
     assert runner.requests["b"].row is None
     # b resumes on different blocks and recomputes prompt + its 2 outputs.
     resumed = pb + ref_b[:2]
-    out = runner.execute_model(step(cached=[("a", [], 9, 1, None),
-                                            ("b", blocks(30, 40), 0, len(resumed), resumed)]))
+    out = runner.execute_model(
+        step(cached=[("a", [], 9, 1, None), ("b", blocks(30, 40), 0, len(resumed), resumed)])
+    )
     assert sampled(out, "a") == ref_a[3:4] and sampled(out, "b") == ref_b[2:3]
     # a finishes; b keeps decoding from its worker-side tokens.
     for i in range(3):
-        out = runner.execute_model(step(cached=[("b", [], len(resumed) + i, 1, None)],
-                                        finished=["a"] if i == 0 else ()))
-        assert sampled(out, "b") == ref_b[3 + i:4 + i]
+        out = runner.execute_model(
+            step(cached=[("b", [], len(resumed) + i, 1, None)], finished=["a"] if i == 0 else ())
+        )
+        assert sampled(out, "b") == ref_b[3 + i : 4 + i]
     assert set(runner.requests) == {"b"}
     assert len(runner.batch._free_rows) == runner.batch.capacity - 1
 
 
-def test_mid_prefill_chunks_sample_nothing_until_the_prompt_is_done(runner, prompts,
-                                                                    hf_greedy_16):
-    p = prompts[4]                            # 64 tokens in chunks of 30, 30, 4
+def test_mid_prefill_chunks_sample_nothing_until_the_prompt_is_done(runner, prompts, hf_greedy_16):
+    p = prompts[4]  # 64 tokens in chunks of 30, 30, 4
     first = step(new=[NewRequestData("r", p, [], GREEDY, blocks(1, 68), 0)])
     first.num_scheduled_tokens["r"] = 30
     first.total_num_scheduled_tokens = 30
@@ -84,9 +105,8 @@ def test_mid_prefill_chunks_sample_nothing_until_the_prompt_is_done(runner, prom
     assert sampled(out, "r") == hf_greedy_16[4][:1]
 
 
-def test_speculative_drafts_accepted_while_they_match_then_corrected(runner, prompts,
-                                                                     hf_greedy_16):
-    p, ref = prompts[2], hf_greedy_16[2]      # 16 tokens
+def test_speculative_drafts_accepted_while_they_match_then_corrected(runner, prompts, hf_greedy_16):
+    p, ref = prompts[2], hf_greedy_16[2]  # 16 tokens
     runner.execute_model(step(new=[NewRequestData("r", p, [], GREEDY, blocks(1, 40), 0)]))
     wrong = (ref[3] + 1) % runner.vocab_size
     drafts = [ref[1], ref[2], wrong]
@@ -98,7 +118,7 @@ def test_speculative_drafts_accepted_while_they_match_then_corrected(runner, pro
     out = runner.execute_model(step(cached=[("r", [], 19, 1, None)]))
     assert sampled(out, "r") == ref[4:5]
     out = runner.execute_model(step(cached=[("r", [], 20, 3, None)], spec={"r": ref[5:7]}))
-    assert sampled(out, "r") == ref[5:8]      # all drafts accepted plus a bonus token
+    assert sampled(out, "r") == ref[5:8]  # all drafts accepted plus a bonus token
 
 
 def test_scheduling_past_known_tokens_is_an_error(runner, prompts):
@@ -111,11 +131,17 @@ def test_batch_grows_past_max_num_seqs(tiny_qwen3_path, prompts, hf_greedy_16):
     """Async scheduling may admit requests before the worker hears that others
     finished, so the batch must grow rather than fail."""
     r = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu", attention_backend="sdpa")
-    r.initialize_kv_cache(CacheConfig(block_size=BS, num_blocks=64),
-                          SchedulerConfig(max_num_seqs=1, max_model_len=64))
-    out = r.execute_model(step(new=[
-        NewRequestData(f"r{i}", prompts[i], [], GREEDY, blocks(1 + 10 * i, 20), 0)
-        for i in range(3)]))
+    r.initialize_kv_cache(
+        CacheConfig(block_size=BS, num_blocks=64), SchedulerConfig(max_num_seqs=1, max_model_len=64)
+    )
+    out = r.execute_model(
+        step(
+            new=[
+                NewRequestData(f"r{i}", prompts[i], [], GREEDY, blocks(1 + 10 * i, 20), 0)
+                for i in range(3)
+            ]
+        )
+    )
     assert r.batch.capacity >= 3
     assert [sampled(out, f"r{i}") for i in range(3)] == [ref[:1] for ref in hf_greedy_16[:3]]
 
@@ -127,8 +153,12 @@ def test_grammar_bitmask_rows_constrain_their_requests_only(runner, prompts, hf_
     words = -(-runner.vocab_size // 32)
     bitmask = np.zeros((1, words), dtype=np.int32)
     bitmask[0, forced // 32] = 1 << (forced % 32)
-    so = step(new=[NewRequestData("free", prompts[0], [], GREEDY, blocks(1, 8), 0),
-                   NewRequestData("json", prompts[1], [], GREEDY, blocks(3, 12), 0)])
+    so = step(
+        new=[
+            NewRequestData("free", prompts[0], [], GREEDY, blocks(1, 8), 0),
+            NewRequestData("json", prompts[1], [], GREEDY, blocks(3, 12), 0),
+        ]
+    )
     so.grammar_bitmask, so.structured_req_ids = bitmask, ["json"]
     out = runner.execute_model(so)
     assert sampled(out, "json") == [forced] != hf_greedy_16[1][:1]

@@ -2,6 +2,7 @@
 prompt_lookup_min and prompt_lookup_max tokens) that occurred earlier, its most
 recent occurrence, and the k tokens that followed it (copying on through the
 drafts themselves when the occurrence runs into the sequence's end)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,14 +13,14 @@ from tokenbudget.worker.spec_decode import NgramProposer
 
 def reference(seq: list[int], k: int, lo: int, hi: int) -> list[int]:
     for n in range(min(hi, len(seq) - 1), lo - 1, -1):
-        suffix = seq[len(seq) - n:]
+        suffix = seq[len(seq) - n :]
         # Occurrences ending at p, most recent first; p < the last position.
         for p in range(len(seq) - 2, n - 2, -1):
-            if seq[p - n + 1:p + 1] == suffix:
+            if seq[p - n + 1 : p + 1] == suffix:
                 out = list(seq)
                 for j in range(k):
                     out.append(out[p + 1 + j])
-                return out[len(seq):]
+                return out[len(seq) :]
     return []
 
 
@@ -27,9 +28,9 @@ def propose(proposer: NgramProposer, seqs: list[list[int]]) -> list[list[int]]:
     # Rows of a batch array with junk past each sequence's end, in a shuffled row order.
     width = max(len(s) for s in seqs) + 8
     table = np.random.default_rng(1).integers(0, 5, size=(len(seqs) + 3, width))
-    rows = np.random.default_rng(2).permutation(len(seqs) + 3)[:len(seqs)]
+    rows = np.random.default_rng(2).permutation(len(seqs) + 3)[: len(seqs)]
     for r, s in zip(rows, seqs):
-        table[r, :len(s)] = s
+        table[r, : len(s)] = s
     return proposer.propose(table, rows, np.array([len(s) for s in seqs]))
 
 
@@ -37,8 +38,9 @@ def propose(proposer: NgramProposer, seqs: list[list[int]]) -> list[list[int]]:
 def test_batched_proposals_equal_the_naive_reference(k, lo, hi):
     rng = np.random.default_rng(0)
     # Small alphabets so matches of every length occur; lengths 1..60 in one batch.
-    seqs = [rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 60)).tolist()
-            for _ in range(300)]
+    seqs = [
+        rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 60)).tolist() for _ in range(300)
+    ]
     got = propose(NgramProposer(k, lo, hi), seqs)
     assert got == [reference(s, k, lo, hi) for s in seqs]
     assert sum(map(bool, got)) > 100  # the cases exercise matches, not just misses

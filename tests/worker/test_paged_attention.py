@@ -1,4 +1,5 @@
 """Paged attention against a dense, naive causal attention over the same tokens."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.worker.attention import (allocate_kv_caches, build_metadata,
-                                          flash_attn_available, paged_attention_forward)
+from tokenbudget.worker.attention import (
+    allocate_kv_caches,
+    build_metadata,
+    flash_attn_available,
+    paged_attention_forward,
+)
 
 H, HKV, D = 4, 2, 16
 
@@ -25,8 +30,15 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
 
 
-def random_batch(rng, block_size, num_blocks, device="cpu", dtype=torch.float32, num_reqs=None,
-                 query_choices=(1, 1, 2, 5, 17, 40)):
+def random_batch(
+    rng,
+    block_size,
+    num_blocks,
+    device="cpu",
+    dtype=torch.float32,
+    num_reqs=None,
+    query_choices=(1, 1, 2, 5, 17, 40),
+):
     """Requests with random cached prefixes, query lengths and shuffled block tables."""
     num_reqs = num_reqs or int(rng.integers(1, 7))
     query_lens = rng.choice(query_choices, size=num_reqs)
@@ -37,7 +49,7 @@ def random_batch(rng, block_size, num_blocks, device="cpu", dtype=torch.float32,
     tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     used = 0
     for i, n in enumerate(-(-seq_lens // block_size)):
-        tables[i, :n] = free[used:used + n]
+        tables[i, :n] = free[used : used + n]
         used += n
     caches = allocate_kv_caches(1, num_blocks, block_size, HKV, D, dtype, torch.device(device))
     flat = caches[0].view(2, -1, HKV, D)
@@ -55,18 +67,40 @@ def random_batch(rng, block_size, num_blocks, device="cpu", dtype=torch.float32,
     q = torch.randn(int(query_lens.sum()), H, D, dtype=dtype, device=device)
     new_k = torch.cat([k[c:] for (k, _), c in zip(contexts, cached)])
     new_v = torch.cat([v[c:] for (_, v), c in zip(contexts, cached)])
-    return SimpleNamespace(q=q, new_k=new_k, new_v=new_v, contexts=contexts, caches=caches,
-                           query_lens=query_lens, seq_lens=seq_lens, tables=tables,
-                           slot_mapping=np.concatenate(slot_mapping))
+    return SimpleNamespace(
+        q=q,
+        new_k=new_k,
+        new_v=new_v,
+        contexts=contexts,
+        caches=caches,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        tables=tables,
+        slot_mapping=np.concatenate(slot_mapping),
+    )
 
 
 def run_paged(backend, b, block_size, device="cpu"):
-    meta = build_metadata(backend, b.caches, block_size, b.query_lens, b.seq_lens, b.tables,
-                          b.slot_mapping, torch.device(device))
+    meta = build_metadata(
+        backend,
+        b.caches,
+        block_size,
+        b.query_lens,
+        b.seq_lens,
+        b.tables,
+        b.slot_mapping,
+        torch.device(device),
+    )
     module = SimpleNamespace(layer_idx=0)
     out, _ = paged_attention_forward(
-        module, b.q.transpose(0, 1)[None], b.new_k.transpose(0, 1)[None],
-        b.new_v.transpose(0, 1)[None], None, scaling=D ** -0.5, paged_attn=meta)
+        module,
+        b.q.transpose(0, 1)[None],
+        b.new_k.transpose(0, 1)[None],
+        b.new_v.transpose(0, 1)[None],
+        None,
+        scaling=D**-0.5,
+        paged_attn=meta,
+    )
     return out[0]
 
 
@@ -79,8 +113,9 @@ def test_sdpa_paged_attention_equals_dense_causal_attention(seed, block_size):
     start = 0
     for i, (k, v) in enumerate(b.contexts):
         end = start + int(b.query_lens[i])
-        torch.testing.assert_close(out[start:end], naive_attention(b.q[start:end], k, v, D ** -0.5),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[start:end], naive_attention(b.q[start:end], k, v, D**-0.5), atol=1e-5, rtol=1e-5
+        )
         start = end
 
 
@@ -91,8 +126,9 @@ def test_many_decodes_split_into_length_groups_still_equal_dense_attention():
     start = 0
     for i, (k, v) in enumerate(b.contexts):
         end = start + int(b.query_lens[i])
-        torch.testing.assert_close(out[start:end], naive_attention(b.q[start:end], k, v, D ** -0.5),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[start:end], naive_attention(b.q[start:end], k, v, D**-0.5), atol=1e-5, rtol=1e-5
+        )
         start = end
 
 
@@ -105,9 +141,11 @@ def test_paged_attention_writes_new_kv_at_slot_mapping():
     torch.testing.assert_close(flat[1][slots], b.new_v)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not flash_attn_available(),
-                    reason="flash_attn backend needs CUDA and the flash-attn package, which cannot "
-                           "be installed on a CPU-only machine")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not flash_attn_available(),
+    reason="flash_attn backend needs CUDA and the flash-attn package, which cannot "
+    "be installed on a CPU-only machine",
+)
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_flash_attn_backend_agrees_with_sdpa(block_size):
     for seed in range(4):

@@ -1,6 +1,7 @@
 """What the offline LLM returns for the OpenAI/vLLM output fields: stop strings
 over several tokens, n samples sharing the prompt's KV, prompt logprobs under
 chunked prefill and a warm prefix cache, prompt truncation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,7 +31,7 @@ def _clean_span(llm, token_ids: list[int], num_tokens: int) -> tuple[int, str, s
     decode = llm.input_processor.decode
     pieces = [decode([t]) for t in token_ids]
     for k in range(len(token_ids) - num_tokens):
-        span = pieces[k:k + num_tokens]
+        span = pieces[k : k + num_tokens]
         if any("\ufffd" in p or len(p.strip()) < 2 for p in span):
             continue
         before = "".join(pieces[:k]) + span[0][:1]
@@ -51,8 +52,9 @@ def test_a_stop_string_over_several_tokens_cuts_the_text_there(llm, prompts, num
     assert (out.text, out.finish_reason, out.stop_reason) == (before, "stop", stop)
     assert out.token_ids == full.token_ids[:last]
 
-    out = llm.generate({"prompt_token_ids": prompts[3]},
-                       _greedy(24, stop=[stop], include_stop_str_in_output=True))[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompts[3]}, _greedy(24, stop=[stop], include_stop_str_in_output=True)
+    )[0]
     assert out.text == before + stop and out.token_ids == full.token_ids[:last]
 
 
@@ -73,23 +75,33 @@ def test_a_stop_tokens_text_is_output_only_with_include_stop_str_in_output(llm, 
     decode = llm.input_processor.decode
     prompt = {"prompt_token_ids": prompts[3]}
     free = llm.generate(prompt, _greedy(12))[0].token_ids
-    k = next(k for k in range(2, len(free)) if free[k] not in free[:k] and decode(free[k:k + 1]))
+    k = next(k for k in range(2, len(free)) if free[k] not in free[:k] and decode(free[k : k + 1]))
     for include in (False, True):
-        out = llm.generate(prompt, _greedy(12, stop=stop, stop_token_ids=[free[k]],
-                                           include_stop_str_in_output=include))[0]
+        out = llm.generate(
+            prompt,
+            _greedy(12, stop=stop, stop_token_ids=[free[k]], include_stop_str_in_output=include),
+        )[0]
         assert (out.finish_reason, out.stop_reason) == ("stop", free[k])
-        assert out.token_ids == free[:k + 1]
-        assert out.text == decode(free[:k + 1] if include else free[:k])
+        assert out.token_ids == free[: k + 1]
+        assert out.text == decode(free[: k + 1] if include else free[:k])
     eos = llm.eos_token_ids[0]
     for include in (False, True):
-        out = llm.generate(prompt, SamplingParams(
-            max_tokens=12, temperature=0, min_tokens=3, logit_bias={eos: 100.0}, stop=stop,
-            skip_special_tokens=False, spaces_between_special_tokens=False,
-            include_stop_str_in_output=include))[0]
+        out = llm.generate(
+            prompt,
+            SamplingParams(
+                max_tokens=12,
+                temperature=0,
+                min_tokens=3,
+                logit_bias={eos: 100.0},
+                stop=stop,
+                skip_special_tokens=False,
+                spaces_between_special_tokens=False,
+                include_stop_str_in_output=include,
+            ),
+        )[0]
         assert (out.finish_reason, out.stop_reason) == ("stop", None)
         assert out.token_ids == free[:3] + [eos]
-        assert out.text == decode(out.token_ids if include else free[:3],
-                                  skip_special_tokens=False)
+        assert out.text == decode(out.token_ids if include else free[:3], skip_special_tokens=False)
 
 
 def test_n_samples_are_reproducible_distinct_and_share_the_prompt(llm, prompts):
@@ -107,8 +119,9 @@ def test_n_samples_are_reproducible_distinct_and_share_the_prompt(llm, prompts):
     # Sample i is what seed + i gives alone, computing the prompt itself.
     for i, tokens in enumerate(samples):
         llm.engine.scheduler.reset_prefix_cache()
-        alone = llm.generate(prompt, SamplingParams(seed=11 + i, temperature=1.0, max_tokens=8,
-                                                    ignore_eos=True))[0]
+        alone = llm.generate(
+            prompt, SamplingParams(seed=11 + i, temperature=1.0, max_tokens=8, ignore_eos=True)
+        )[0]
         assert alone.num_cached_tokens == 0 and alone.token_ids == tokens
 
 
@@ -116,18 +129,24 @@ def test_n_greedy_samples_with_stop_strings_each_stop(llm, prompts):
     full = llm.generate({"prompt_token_ids": prompts[3]}, _greedy(24))[0]
     _, before, stop = _clean_span(llm, full.token_ids, 2)
     out = llm.generate({"prompt_token_ids": prompts[3]}, _greedy(24, n=3, stop=[stop]))[0]
-    assert [(o.text, o.finish_reason, o.stop_reason) for o in out.outputs] == \
-        [(before, "stop", stop)] * 3
+    assert [(o.text, o.finish_reason, o.stop_reason) for o in out.outputs] == [
+        (before, "stop", stop)
+    ] * 3
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prompt_logprobs_equal_a_full_forward_under_chunked_prefill(
-        tiny_qwen3_path, hf_model, prompts, async_scheduling):
+    tiny_qwen3_path, hf_model, prompts, async_scheduling
+):
     prompt = prompts[5]  # 100 tokens: 7 chunks of 16
     with torch.no_grad():
         expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
-    engine = LLM(tiny_qwen3_path, max_num_batched_tokens=16, num_gpu_blocks=256,
-                 async_scheduling=async_scheduling)
+    engine = LLM(
+        tiny_qwen3_path,
+        max_num_batched_tokens=16,
+        num_gpu_blocks=256,
+        async_scheduling=async_scheduling,
+    )
     try:
         params = _greedy(3, prompt_logprobs=2)
         for attempt in range(2):  # the second finds the prompt cached: it must not use it
@@ -178,14 +197,20 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, prompts):
     assert short[0].prompt_token_ids == prompts[0]
 
 
-@pytest.mark.parametrize("params, message", [
-    (dict(stop_token_ids=[10**6]), r"sampling_params.stop_token_ids: token id 1000000 is outside"),
-    (dict(logit_bias={5000: 1.0}), r"sampling_params.logit_bias: token id 5000 is outside"),
-    (dict(allowed_token_ids=[1, 4096]), r"sampling_params.allowed_token_ids: token id 4096"),
-    (dict(bad_words_token_ids=[[1], [2, 9999]]), r"bad_words_token_ids\[1\]: token id 9999"),
-    (dict(logprobs=5000), "sampling_params.logprobs must be <= the vocabulary size"),
-    (dict(prompt_logprobs=5000), "sampling_params.prompt_logprobs must be <= the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (
+            dict(stop_token_ids=[10**6]),
+            r"sampling_params.stop_token_ids: token id 1000000 is outside",
+        ),
+        (dict(logit_bias={5000: 1.0}), r"sampling_params.logit_bias: token id 5000 is outside"),
+        (dict(allowed_token_ids=[1, 4096]), r"sampling_params.allowed_token_ids: token id 4096"),
+        (dict(bad_words_token_ids=[[1], [2, 9999]]), r"bad_words_token_ids\[1\]: token id 9999"),
+        (dict(logprobs=5000), "sampling_params.logprobs must be <= the vocabulary size"),
+        (dict(prompt_logprobs=5000), "sampling_params.prompt_logprobs must be <= the vocabulary"),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(llm, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate("hi", SamplingParams(**params))

@@ -3,6 +3,7 @@ equal transformers generate() and the engine without drafts (chunked prefill, pr
 preemption, async scheduling, a VL model); seeded and structured sampling give the very
 same tokens as without drafts. Each case checks that drafts were both accepted and
 rejected, so the verification path ran."""
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,12 @@ import torch
 from tokenbudget.core import SamplingParams
 from tokenbudget.server import LLM
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 NUM_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -50,16 +55,26 @@ def expected(prompts, hf_greedy):
     return [hf_greedy(p, NUM_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    {"max_num_batched_tokens": 64},                      # chunked prefill beside drafts
-    {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
-    {"async_scheduling": True},
-    {"async_scheduling": True, "max_num_batched_tokens": 64},
-], ids=["one-batch", "chunked-prefill", "small-chunks-small-blocks", "async",
-        "async-chunked-prefill"])
-def test_greedy_with_drafts_equals_transformers_generate(tiny_qwen3_path, prompts, expected,
-                                                         overlap_recorder, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 64},  # chunked prefill beside drafts
+        {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
+        {"async_scheduling": True},
+        {"async_scheduling": True, "max_num_batched_tokens": 64},
+    ],
+    ids=[
+        "one-batch",
+        "chunked-prefill",
+        "small-chunks-small-blocks",
+        "async",
+        "async-chunked-prefill",
+    ],
+)
+def test_greedy_with_drafts_equals_transformers_generate(
+    tiny_qwen3_path, prompts, expected, overlap_recorder, engine_args
+):
     llm = make_llm(tiny_qwen3_path, **engine_args)
     recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     results = llm.generate(token_prompts(prompts), GREEDY)
@@ -71,8 +86,9 @@ def test_greedy_with_drafts_equals_transformers_generate(tiny_qwen3_path, prompt
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_prefix_hits_keep_the_output(tiny_qwen3_path, prompts, expected, overlap_recorder,
-                                     async_scheduling):
+def test_prefix_hits_keep_the_output(
+    tiny_qwen3_path, prompts, expected, overlap_recorder, async_scheduling
+):
     llm = make_llm(tiny_qwen3_path, async_scheduling=async_scheduling)
     recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
     first = llm.generate(token_prompts(prompts[-3:]), GREEDY)
@@ -84,8 +100,9 @@ def test_prefix_hits_keep_the_output(tiny_qwen3_path, prompts, expected, overlap
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_preempted_requests_with_drafts_recompute_and_match(tiny_qwen3_path, hf_greedy,
-                                                            overlap_recorder, async_scheduling):
+def test_preempted_requests_with_drafts_recompute_and_match(
+    tiny_qwen3_path, hf_greedy, overlap_recorder, async_scheduling
+):
     # Seed 3: outputs that repeat enough for drafts to be accepted in both modes (async
     # drops the drafts proposed while a step was in flight, so it verifies fewer).
     rng = np.random.default_rng(3)
@@ -101,23 +118,38 @@ def test_preempted_requests_with_drafts_recompute_and_match(tiny_qwen3_path, hf_
 
 SAMPLED = [
     SamplingParams(max_tokens=NUM_TOKENS, temperature=0.5, seed=3, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, top_p=0.9, seed=4,
-                   ignore_eos=True),
-    SamplingParams(max_tokens=NUM_TOKENS, temperature=0.6, min_p=0.1, seed=5,
-                   repetition_penalty=1.3, frequency_penalty=1.0, presence_penalty=0.1,
-                   ignore_eos=True),
-    SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=6, ignore_eos=True,
-                   logit_bias={100: 2.0}),
+    SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, top_p=0.9, seed=4, ignore_eos=True
+    ),
+    SamplingParams(
+        max_tokens=NUM_TOKENS,
+        temperature=0.6,
+        min_p=0.1,
+        seed=5,
+        repetition_penalty=1.3,
+        frequency_penalty=1.0,
+        presence_penalty=0.1,
+        ignore_eos=True,
+    ),
+    SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=1.0, seed=6, ignore_eos=True, logit_bias={100: 2.0}
+    ),
     # EOS masked on rows (draft rows too) with fewer than min_tokens outputs before them.
-    SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=7, min_tokens=30,
-                   stop_token_ids=[101], logit_bias={101: 5.0}),
+    SamplingParams(
+        max_tokens=NUM_TOKENS,
+        temperature=1.0,
+        seed=7,
+        min_tokens=30,
+        stop_token_ids=[101],
+        logit_bias={101: 5.0},
+    ),
 ]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_qwen3_path,
-                                                                       prompts,
-                                                                       async_scheduling):
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(
+    tiny_qwen3_path, prompts, async_scheduling
+):
     """The verification step draws row t from the randomness a plain step would use for
     that output position, and rewinds the request's generator past rejected rows."""
     batch = token_prompts(prompts[:5]) * 2
@@ -134,19 +166,33 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_qwen
 
 
 def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in (
-        "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
-        "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
-        "min_tokens", "stop_token_ids")}
+    return {
+        name: getattr(params, name)
+        for name in (
+            "max_tokens",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "seed",
+            "ignore_eos",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "logit_bias",
+            "min_tokens",
+            "stop_token_ids",
+        )
+    }
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path,
-                                                              async_scheduling):
+def test_structured_requests_with_drafts_follow_their_grammar(tiny_qwen3_path, async_scheduling):
     regex = r"(ab|ba){6,12}[0-9]{2}"
-    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=48, structured={"regex": regex})
-              for s in range(4)] + [SamplingParams(temperature=0.0, max_tokens=48,
-                                                   structured={"regex": regex})]
+    params = [
+        SamplingParams(temperature=0.7, seed=s, max_tokens=48, structured={"regex": regex})
+        for s in range(4)
+    ] + [SamplingParams(temperature=0.0, max_tokens=48, structured={"regex": regex})]
     prompts = ["abab", "The quick brown fox", "baba ab", "Numbers: 0 1 2", "ab ba ab"]
     plain = make_llm(tiny_qwen3_path, spec=None).generate(prompts, params)
     llm = make_llm(tiny_qwen3_path, async_scheduling=async_scheduling)
@@ -164,8 +210,9 @@ def tiny_vl_path(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_vl_greedy_with_drafts_equals_transformers_generate(tiny_vl_path, vl_chats,
-                                                            overlap_recorder, async_scheduling):
+def test_vl_greedy_with_drafts_equals_transformers_generate(
+    tiny_vl_path, vl_chats, overlap_recorder, async_scheduling
+):
     from transformers import AutoModelForImageTextToText
 
     from tokenbudget.server.engine.mm_processor import MultiModalProcessor
@@ -174,13 +221,21 @@ def test_vl_greedy_with_drafts_equals_transformers_generate(tiny_vl_path, vl_cha
     path = tiny_vl_path
     processor = MultiModalProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    expected = [hf_generate_vl_ids(model, *processor.process_messages(chat), 24,
-                                   ignore_eos=True) for chat in vl_chats]
-    llm = make_llm(path, max_num_batched_tokens=16, num_gpu_blocks=64,  # chunks cut images
-                   async_scheduling=async_scheduling)
+    expected = [
+        hf_generate_vl_ids(model, *processor.process_messages(chat), 24, ignore_eos=True)
+        for chat in vl_chats
+    ]
+    llm = make_llm(
+        path,
+        max_num_batched_tokens=16,
+        num_gpu_blocks=64,  # chunks cut images
+        async_scheduling=async_scheduling,
+    )
     recorder = llm.engine.executor = overlap_recorder(llm.engine.executor)
-    results = llm.generate([{"messages": c} for c in vl_chats],
-                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    results = llm.generate(
+        [{"messages": c} for c in vl_chats],
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    )
     assert [r.token_ids for r in results] == expected
     assert_overlap(recorder, async_scheduling)
     assert_drafts_verified(llm)

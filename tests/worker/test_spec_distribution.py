@@ -10,12 +10,11 @@ below 5 pooled) is compared with its critical value at p = 0.001: a correct engi
 once in a thousand seeds (torch's global seed is fixed here, so the test is
 deterministic). The same check is run without drafts, and on an engine whose verifier
 accepts every draft, which it must reject."""
+
 from __future__ import annotations
 
-import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,18 +25,32 @@ VOCAB = 4
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 0, 1]
 NUM_TOKENS = 4
 NUM_REQUESTS = 3000
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 2}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 2,
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_vocab_model(tmp_path_factory) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=64, max_position_embeddings=64, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(3)
     model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -59,8 +72,7 @@ def exact_law(tiny_vocab_model) -> dict[tuple[int, ...], float]:
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
         probs = torch.softmax(logits, dim=-1).tolist()
-        law = {p + (t,): law[p] * probs[i][t] for i, p in enumerate(prefixes)
-               for t in range(VOCAB)}
+        law = {p + (t,): law[p] * probs[i][t] for i, p in enumerate(prefixes) for t in range(VOCAB)}
     return law
 
 
@@ -69,10 +81,13 @@ def sample(path: str, spec: dict | None) -> tuple[list[tuple[int, ...]], EngineC
     from tokenbudget.worker.worker import Worker
 
     worker = Worker(path, dtype="float32", device="cpu", attention_backend="sdpa", seed=11)
-    core = EngineCore(SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=8192,
-                                      max_model_len=64, speculative_config=spec),
-                      CacheConfig(block_size=16, num_blocks=2 * NUM_REQUESTS),
-                      InProcessExecutor(worker))
+    core = EngineCore(
+        SchedulerConfig(
+            max_num_seqs=512, max_num_batched_tokens=8192, max_model_len=64, speculative_config=spec
+        ),
+        CacheConfig(block_size=16, num_blocks=2 * NUM_REQUESTS),
+        InProcessExecutor(worker),
+    )
     params = SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     for i in range(NUM_REQUESTS):
         core.add_request(Request(str(i), PROMPT, params, eos_token_id=None, arrival_time=i))
@@ -116,12 +131,14 @@ def test_sampled_tokens_follow_the_exact_law(tiny_vocab_model, exact_law, spec):
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_the_check_rejects_an_engine_that_accepts_every_draft(tiny_vocab_model, exact_law,
-                                                              monkeypatch):
-    from tokenbudget.worker import model_runner
+def test_the_check_rejects_an_engine_that_accepts_every_draft(
+    tiny_vocab_model, exact_law, monkeypatch
+):
+    from tokenbudget.worker import step_sampling
 
-    monkeypatch.setattr(model_runner, "num_accepted",
-                        lambda sampled, drafts, num_rows: num_rows - 1)
+    monkeypatch.setattr(
+        step_sampling, "num_accepted", lambda sampled, drafts, num_rows: num_rows - 1
+    )
     samples, _ = sample(tiny_vocab_model, SPEC)
     stat, df = chi_square(samples, exact_law)
     assert stat > critical_p001(df)

@@ -2,6 +2,7 @@
 greedy tokens of transformers generate() and of tensor_parallel_size=1, with
 chunked prefill, prefix-cache hits, preemption and async scheduling; the KV
 cache is sharded by KV heads (twice the blocks in the same per-rank memory)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,14 @@ from tokenbudget.worker.attention import kv_cache_bytes_per_block
 # Per rank; TP=2 holds 1 of the tiny Qwen3's 2 KV heads, so twice the blocks
 # fit: few enough that the workload below preempts.
 KV_MEMORY = 28 * kv_cache_bytes_per_block(2, 4, 2, 16, __import__("torch").float32)
-ENGINE_ARGS = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory=KV_MEMORY,
-                   max_num_batched_tokens=32, max_num_seqs=8)
+ENGINE_ARGS = dict(
+    dtype="float32",
+    device="cpu",
+    block_size=4,
+    kv_cache_memory=KV_MEMORY,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +51,9 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp_llm, tp1_llm, prompts, hf_gre
     again = tp_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [r.token_ids for r in again] == expected
     assert sum(r.num_cached_tokens for r in again) > 0  # prefix hits
-    assert [r.token_ids for r in tp1_llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params)] == expected
+    assert [
+        r.token_ids for r in tp1_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ] == expected
     engine.scheduler.kv_cache_manager.block_pool.check_invariants()
 
 
@@ -57,12 +65,16 @@ def test_tp2_random_sampling_keeps_the_ranks_in_step(tp_llm, tp1_llm, prompts):
     tokens it returned would differ from the same tokens teacher-forced
     through TP=1."""
     prompt = prompts[3]
-    sampled = tp_llm.generate({"prompt_token_ids": prompt}, SamplingParams(
-        max_tokens=12, temperature=1.0, logprobs=0, ignore_eos=True))[0]
-    forced = tp1_llm.generate({"prompt_token_ids": prompt + sampled.token_ids},
-                              SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    sampled = tp_llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, ignore_eos=True),
+    )[0]
+    forced = tp1_llm.generate(
+        {"prompt_token_ids": prompt + sampled.token_ids},
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+    )[0]
     got = [lp[t] for lp, t in zip(sampled.logprobs, sampled.token_ids)]
-    want = [lp[t] for lp, t in zip(forced.prompt_logprobs[len(prompt):], sampled.token_ids)]
+    want = [lp[t] for lp, t in zip(forced.prompt_logprobs[len(prompt) :], sampled.token_ids)]
     assert got == pytest.approx(want, abs=1e-4)
 
 
@@ -81,13 +93,16 @@ def test_tp2_vision_language_greedy_equals_tp1_and_transformers(tmp_path_factory
     path = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tp_qwen2_5_vl"))
     processor = MultiModalProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    expected = [hf_generate_vl_ids(model, *processor.process_messages(chat), 8, ignore_eos=True)
-                for chat in vl_chats]
+    expected = [
+        hf_generate_vl_ids(model, *processor.process_messages(chat), 8, ignore_eos=True)
+        for chat in vl_chats
+    ]
     del model
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     chats = [{"messages": c} for c in vl_chats]
-    args = dict(dtype="float32", device="cpu", block_size=4, num_gpu_blocks=19,
-                max_num_batched_tokens=16)
+    args = dict(
+        dtype="float32", device="cpu", block_size=4, num_gpu_blocks=19, max_num_batched_tokens=16
+    )
     tp1 = LLM(path, **args)
     try:
         assert [r.token_ids for r in tp1.generate(chats, params)] == expected
@@ -109,12 +124,16 @@ def test_tp2_vision_language_greedy_equals_tp1_and_transformers(tmp_path_factory
 
 
 def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_starts(
-        tiny_qwen3_path, monkeypatch):
+    tiny_qwen3_path, monkeypatch
+):
     from tokenbudget.server.executor import tensor_parallel as launcher
 
     monkeypatch.setattr(launcher, "LocalRanks", None)  # starting a rank would raise TypeError
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's "
-                                         "num_key_value_heads=2; pick a size that divides it"):
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=4 does not divide the model's "
+        "num_key_value_heads=2; pick a size that divides it",
+    ):
         LLM(tiny_qwen3_path, tensor_parallel_size=4)
 
 
@@ -138,7 +157,8 @@ def test_idle_ranks_outlive_the_collective_timeout_and_stop_in_order():
 
 
 def test_a_killed_rank_fails_the_step_with_the_reason_and_a_fresh_group_recovers(
-        tp_llm, prompts, hf_greedy_16):
+    tp_llm, prompts, hf_greedy_16
+):
     """Kept last: it breaks tp_llm's group. The step fails at once (the dead
     rank's sockets close), rank 0 leaves the group, and the reconnection the
     server's engine makes with backoff (discard, reinitialize) starts a fresh

@@ -1,4 +1,5 @@
 """The tiny checkpoint builders: Qwen special tokens, chat template, loadable weights."""
+
 from __future__ import annotations
 
 import torch
@@ -19,12 +20,16 @@ def test_tokenizer_keeps_qwen_special_tokens_whole(tiny_qwen3_path):
 
 def test_chat_template_renders_text_and_image_parts(tiny_qwen3_path):
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_path)
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+    ]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What?"
-                        "<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What?"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_tiny_qwen3_is_deterministic_and_eos_is_im_end(tiny_qwen3_path, tmp_path):

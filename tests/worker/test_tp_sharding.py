@@ -3,6 +3,7 @@ process: two copies of a model, each cut to one rank's shards, run side by
 side in two threads whose all-reduce is a barrier that sums their partial
 outputs. Their logits must equal the whole model's (the oracle); a rank that
 skipped the all-reduce, or cut a layer the wrong way, would not."""
+
 from __future__ import annotations
 
 import copy
@@ -11,9 +12,13 @@ import threading
 import pytest
 import torch
 
-from tokenbudget.worker.parallel.sharding import (ColumnParallelLinear, RowParallelLinear,
-                                                  check_tensor_parallel_size, find_decoder,
-                                                  shard_model)
+from tokenbudget.worker.parallel.sharding import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    check_tensor_parallel_size,
+    find_decoder,
+    shard_model,
+)
 from tokenbudget.server.testing.tiny_vl_models import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl
 
 
@@ -34,6 +39,7 @@ class ThreadAllReduce:
             t.copy_(total)
             if rank == 0:
                 self.calls += 1
+
         return all_reduce
 
 
@@ -96,14 +102,15 @@ def test_attention_and_mlp_are_cut_by_heads_and_features(model):
     assert layer.self_attn.o_proj.weight.shape[1] == text.num_attention_heads // 2 * head_dim
     # Rank 1 holds the second half of the heads and of the MLP's features.
     full_q, full_down = whole.self_attn.q_proj.weight, whole.mlp.down_proj.weight
-    torch.testing.assert_close(layer.self_attn.q_proj.weight, full_q[full_q.shape[0] // 2:])
-    torch.testing.assert_close(layer.mlp.down_proj.weight, full_down[:, full_down.shape[1] // 2:])
+    torch.testing.assert_close(layer.self_attn.q_proj.weight, full_q[full_q.shape[0] // 2 :])
+    torch.testing.assert_close(layer.mlp.down_proj.weight, full_down[:, full_down.shape[1] // 2 :])
     # The embedding, lm_head and any vision tower stay whole.
     assert net.get_input_embeddings().weight.shape == model.get_input_embeddings().weight.shape
     assert net.lm_head.weight.shape == model.lm_head.weight.shape
     if hasattr(model.model, "visual"):
-        for (name, a), b in zip(model.model.visual.named_parameters(),
-                                net.model.visual.parameters()):
+        for (name, a), b in zip(
+            model.model.visual.named_parameters(), net.model.visual.parameters()
+        ):
             assert a.shape == b.shape, name
 
 
@@ -112,19 +119,22 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_qwen3_path):
 
     config = AutoConfig.from_pretrained(tiny_qwen3_path)  # 4 heads, 2 KV heads
     check_tensor_parallel_size(config, 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's "
-                                         "num_attention_heads=4"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads=4"
+    ):
         check_tensor_parallel_size(config, 3)
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's "
-                                         "num_key_value_heads=2"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=4 does not divide the model's num_key_value_heads=2"
+    ):
         check_tensor_parallel_size(config, 4)
 
 
 class ThreadGroup:
     """The slice of TensorParallelGroup a ModelRunner uses, for ranks that are threads."""
 
-    def __init__(self, rank: int, world_size: int, reduce: ThreadAllReduce,
-                 values: list[int | None]) -> None:
+    def __init__(
+        self, rank: int, world_size: int, reduce: ThreadAllReduce, values: list[int | None]
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         self._reduce, self._values = reduce, values
 
@@ -151,11 +161,16 @@ def test_kv_cache_holds_this_ranks_kv_heads_and_the_blocks_every_rank_can_hold(t
     runners, blocks = [None, None], [None, None]
 
     def run(rank: int) -> None:
-        runners[rank] = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu",
-                                    parallel=ThreadGroup(rank, 2, reduce, values))
+        runners[rank] = ModelRunner(
+            tiny_qwen3_path,
+            dtype="float32",
+            device="cpu",
+            parallel=ThreadGroup(rank, 2, reduce, values),
+        )
         blocks[rank] = runners[rank].initialize_kv_cache(
             CacheConfig(block_size=4, kv_cache_memory_bytes=memory[rank]),
-            SchedulerConfig(max_model_len=64))
+            SchedulerConfig(max_model_len=64),
+        )
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:

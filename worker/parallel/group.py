@@ -9,13 +9,15 @@ Two groups over the same ranks:
   agreement; NCCL on CUDA, gloo on CPU. Created when the device is known.
 
 Every wait is bounded by ``timeout_s`` (torch.distributed's per-group
-timeout); joining the group, by at least JOIN_TIMEOUT_S. Between steps the other ranks sit in a control broadcast; so that an
-idle server is not mistaken for a dead rank 0, rank 0 sends a heartbeat when
-it has sent nothing for ``timeout_s / 4`` seconds. A rank that died closes its
-sockets, so a peer's next collective fails at once rather than at the timeout.
+timeout); joining the group, by at least JOIN_TIMEOUT_S. Between steps the other
+ranks sit in a control broadcast; so that an idle server is not mistaken for a
+dead rank 0, rank 0 sends a heartbeat when it has sent nothing for
+``timeout_s / 4`` seconds. A rank that died closes its sockets, so a peer's
+next collective fails at once rather than at the timeout.
 A broken group cannot be mended in place (a gloo or NCCL group cannot replace a
 member): ranks exit, and the group is restarted whole.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +40,9 @@ class GroupBrokenError(RuntimeError):
 
 
 class TensorParallelGroup:
-    def __init__(self, rank: int, world_size: int, init_method: str, *,
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, *, timeout_s: float = 300.0
+    ) -> None:
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 for a process group, got {world_size}")
         if not 0 <= rank < world_size:
@@ -52,9 +55,13 @@ class TensorParallelGroup:
         self.heartbeat_s = timeout_s / 4
         # Joining may wait for ranks still starting (other hosts, slow imports):
         # at least JOIN_TIMEOUT_S. Every collective after it waits timeout_s at most.
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size,
-                                timeout=max(self.timeout, timedelta(seconds=JOIN_TIMEOUT_S)))
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=max(self.timeout, timedelta(seconds=JOIN_TIMEOUT_S)),
+        )
         self.control = dist.new_group(backend="gloo", timeout=self.timeout)
         self.compute = None
         self._compute_device: torch.device | None = None
@@ -93,12 +100,16 @@ class TensorParallelGroup:
     def start_heartbeat(self, on_broken) -> threading.Thread:
         """Rank 0: keep idle ranks' waits short of their timeout; ``on_broken``
         gets the error when a heartbeat cannot be sent (a rank is gone)."""
+
         def beat() -> None:
             while self.broken is None:
                 time.sleep(min(self.heartbeat_s, 1.0))
                 with self._lock:
-                    if self._busy or self.broken is not None or \
-                            time.monotonic() - self._last_send < self.heartbeat_s:
+                    if (
+                        self._busy
+                        or self.broken is not None
+                        or time.monotonic() - self._last_send < self.heartbeat_s
+                    ):
                         continue
                     try:
                         self._broadcast([HEARTBEAT])
@@ -153,10 +164,15 @@ class TensorParallelGroup:
 
     # -- failure -----------------------------------------------------------------
     def _broke(self, exc: BaseException) -> GroupBrokenError:
-        err = exc if isinstance(exc, GroupBrokenError) else GroupBrokenError(
-            f"tensor-parallel group broken at rank {self.rank} of {self.world_size} (a rank "
-            f"died or hung past {self.timeout.total_seconds():g} s): "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        err = (
+            exc
+            if isinstance(exc, GroupBrokenError)
+            else GroupBrokenError(
+                f"tensor-parallel group broken at rank {self.rank} of {self.world_size} (a rank "
+                f"died or hung past {self.timeout.total_seconds():g} s): "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            )
+        )
         if self.broken is None:
             self.broken = err
         return err

@@ -15,6 +15,7 @@ requests), so every rank appends the same tokens to its own copy of each
 sequence and feeds them back as the next inputs, as async scheduling needs;
 only rank 0's output goes back to the server.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,9 +61,14 @@ def build_rank_worker(group: TensorParallelGroup, init: RankInit):
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL binds each rank's communicator to the current GPU
     group.use_device(torch.device(device))
-    return Worker(init.model, dtype=init.dtype or "auto", device=device,
-                  attention_backend=init.attention_backend or "auto", seed=init.seed,
-                  parallel=group)
+    return Worker(
+        init.model,
+        dtype=init.dtype or "auto",
+        device=device,
+        attention_backend=init.attention_backend or "auto",
+        seed=init.seed,
+        parallel=group,
+    )
 
 
 class DriverWorker:
@@ -71,9 +77,16 @@ class DriverWorker:
     (the ranks may be stuck mid-collective): ``on_broken`` is told, and the
     rank's process ends so the whole group can be restarted."""
 
-    def __init__(self, group: TensorParallelGroup, model: str, *, dtype: str = "auto",
-                 device: str = "", attention_backend: str = "auto",
-                 on_broken: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "",
+        attention_backend: str = "auto",
+        on_broken: Callable[[BaseException], None],
+    ) -> None:
         from tokenbudget.worker.loader import check_supported
         from tokenbudget.core.utils.model_source import load_config
         from tokenbudget.worker.parallel.sharding import check_tensor_parallel_size
@@ -87,14 +100,19 @@ class DriverWorker:
         init = RankInit(model, dtype, device, attention_backend, seed=random.getrandbits(63))
         self.worker = self._collective("init", init, lambda: build_rank_worker(group, init))
 
-    def initialize(self, cache_config: CacheConfig,
-                   scheduler_config: SchedulerConfig) -> KVCacheSpec:
-        return self._collective("kv", (cache_config, scheduler_config),
-                                lambda: self.worker.initialize(cache_config, scheduler_config))
+    def initialize(
+        self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ) -> KVCacheSpec:
+        return self._collective(
+            "kv",
+            (cache_config, scheduler_config),
+            lambda: self.worker.initialize(cache_config, scheduler_config),
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._collective("step", scheduler_output,
-                                lambda: self.worker.execute_model(scheduler_output))
+        return self._collective(
+            "step", scheduler_output, lambda: self.worker.execute_model(scheduler_output)
+        )
 
     def shutdown(self) -> None:
         # Local only: the other ranks drop their model at the next "init".
@@ -146,18 +164,10 @@ def run_rank(args, secret: str | None) -> None:
     import signal
     import sys
 
-    from tokenbudget.proto.rpc.ports import BindError, check_port_free
+    from tokenbudget.proto.rpc.ports import BindError
     from tokenbudget.worker.grpc_worker import serve
 
-    if args.rank == 0:
-        check_port_free(args.host, args.port)  # before waiting for the other ranks
-    logging.getLogger(__name__).info("rank %d of %d: joining %s", args.rank, args.world_size,
-                                     args.dist_init)
-    try:
-        group = TensorParallelGroup(args.rank, args.world_size, args.dist_init,
-                                    timeout_s=args.dist_timeout)
-    except Exception as exc:
-        sys.exit(f"worker: rank {args.rank} could not join {args.dist_init}: {exc}")
+    group = _join(args)
     if args.rank > 0:
         # No orderly teardown: destroying a broken group can block.
         sys.stdout.flush()
@@ -168,20 +178,26 @@ def run_rank(args, secret: str | None) -> None:
         logger.error("%s; rank 0 stops", exc)
         stop.set()
 
-    def factory(model: str, dtype: str, device: str, attention_backend: str) -> DriverWorker:
-        return DriverWorker(group, model, dtype=dtype, device=device,
-                            attention_backend=attention_backend, on_broken=on_broken)
-
     try:
-        server, port, stop = serve(args.host, args.port, max_message_size=args.max_message_size,
-                                   gc_threshold=args.gc_threshold, secret=secret,
-                                   worker_factory=factory, stop_event=stop)
+        server, port, stop = serve(
+            args.host,
+            args.port,
+            max_message_size=args.max_message_size,
+            gc_threshold=args.gc_threshold,
+            secret=secret,
+            worker_factory=_driver_factory(group, on_broken),
+            stop_event=stop,
+        )
     except BindError as exc:
         sys.exit(f"worker: {exc}")
     group.start_heartbeat(on_broken)
     if args.parent_pid is not None:
-        threading.Thread(target=_stop_when_orphaned, args=(args.parent_pid, stop), daemon=True,
-                         name="tokenbudget-tp-parent").start()
+        threading.Thread(
+            target=_stop_when_orphaned,
+            args=(args.parent_pid, stop),
+            daemon=True,
+            name="tokenbudget-tp-parent",
+        ).start()
     # The readiness line of every worker: the other ranks have joined by now.
     print(f"tokenbudget worker listening on {args.host}:{port}", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,11 +213,49 @@ def run_rank(args, secret: str | None) -> None:
     os._exit(1 if group.broken is not None else 0)
 
 
+def _join(args) -> TensorParallelGroup:
+    """This rank's group, once every rank has joined; exits if it cannot join."""
+    import sys
+
+    from tokenbudget.proto.rpc.ports import check_port_free
+
+    if args.rank == 0:
+        check_port_free(args.host, args.port)  # before waiting for the other ranks
+    logging.getLogger(__name__).info(
+        "rank %d of %d: joining %s", args.rank, args.world_size, args.dist_init
+    )
+    try:
+        return TensorParallelGroup(
+            args.rank, args.world_size, args.dist_init, timeout_s=args.dist_timeout
+        )
+    except Exception as exc:
+        sys.exit(f"worker: rank {args.rank} could not join {args.dist_init}: {exc}")
+
+
+def _driver_factory(
+    group: TensorParallelGroup, on_broken: Callable[[BaseException], None]
+) -> Callable[[str, str, str, str], DriverWorker]:
+    """serve's worker_factory on rank 0: a DriverWorker over ``group``."""
+
+    def factory(model: str, dtype: str, device: str, attention_backend: str) -> DriverWorker:
+        return DriverWorker(
+            group,
+            model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            on_broken=on_broken,
+        )
+
+    return factory
+
+
 def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
     """Set ``stop`` once the process that started this rank is gone (this
     process is then adopted by another: its parent pid changes)."""
     while not stop.wait(1.0):
         if os.getppid() != parent_pid:
-            logger.error("the engine that started this rank (pid %d) is gone; rank 0 stops",
-                         parent_pid)
+            logger.error(
+                "the engine that started this rank (pid %d) is gone; rank 0 stops", parent_pid
+            )
             stop.set()

@@ -24,6 +24,7 @@ weights into DTensors, whose per-op dispatch costs host time on every step;
 plain sliced ``nn.Linear`` weights plus one all-reduce per row-parallel layer
 run the same kernels as the unsharded model.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         rows = slice(*_share(full.out_features, rank, world_size))
         self.weight = nn.Parameter(full.weight[rows].clone(), requires_grad=False)
-        self.bias = None if full.bias is None else \
-            nn.Parameter(full.bias[rows].clone(), requires_grad=False)
+        self.bias = (
+            None
+            if full.bias is None
+            else nn.Parameter(full.bias[rows].clone(), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -73,14 +77,14 @@ class RowParallelLinear(nn.Module):
     """This rank's columns of a linear layer; the output is all-reduced so
     every rank holds the full result."""
 
-    def __init__(self, full: nn.Linear, rank: int, world_size: int,
-                 all_reduce: AllReduce) -> None:
+    def __init__(self, full: nn.Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         cols = slice(*_share(full.in_features, rank, world_size))
         self.weight = nn.Parameter(full.weight[:, cols].clone(), requires_grad=False)
         # Added once, after the sum: on every rank it would count N times.
-        self.bias = None if full.bias is None else \
-            nn.Parameter(full.bias.clone(), requires_grad=False)
+        self.bias = (
+            None if full.bias is None else nn.Parameter(full.bias.clone(), requires_grad=False)
+        )
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,11 +107,16 @@ def check_tensor_parallel_size(text_config, world_size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
     num_heads = int(text_config.num_attention_heads)
     _, num_kv_heads, _ = decoder_kv_shape(text_config)
-    for name, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
-                        ("intermediate_size", getattr(text_config, "intermediate_size", None))):
+    for name, value in (
+        ("num_attention_heads", num_heads),
+        ("num_key_value_heads", num_kv_heads),
+        ("intermediate_size", getattr(text_config, "intermediate_size", None)),
+    ):
         if value is not None and value % world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} does not divide the model's "
-                             f"{name}={value}; pick a size that divides it")
+            raise ValueError(
+                f"tensor_parallel_size={world_size} does not divide the model's "
+                f"{name}={value}; pick a size that divides it"
+            )
 
 
 def find_decoder(net: nn.Module) -> tuple[str, nn.Module]:
@@ -115,18 +124,24 @@ def find_decoder(net: nn.Module) -> tuple[str, nn.Module]:
     ``model`` of a causal LM, ``model.language_model`` of a VL model. The plan
     applies to names under it only, so a vision tower stays whole."""
     for name, module in net.named_modules():
-        if isinstance(getattr(module, "layers", None), nn.ModuleList) and \
-                hasattr(module, "embed_tokens"):
+        if isinstance(getattr(module, "layers", None), nn.ModuleList) and hasattr(
+            module, "embed_tokens"
+        ):
             return name, module
-    raise ValueError(f"{type(net).__name__}: found no text decoder (a module with "
-                     "embed_tokens and layers) to shard for tensor parallelism")
+    raise ValueError(
+        f"{type(net).__name__}: found no text decoder (a module with "
+        "embed_tokens and layers) to shard for tensor parallelism"
+    )
 
 
 def resolve_plan(text_config) -> dict[str, str]:
     plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
     if not any(style in COLWISE + ROWWISE for style in plan.values()):
-        logger.info("tensor parallel: %s declares no plan for its linear layers; using the "
-                    "Llama-family plan", type(text_config).__name__)
+        logger.info(
+            "tensor parallel: %s declares no plan for its linear layers; using the "
+            "Llama-family plan",
+            type(text_config).__name__,
+        )
         plan.update(DEFAULT_PLAN)
     return plan
 
@@ -138,30 +153,43 @@ def shard_model(net: nn.Module, rank: int, world_size: int, all_reduce: AllReduc
     text_config = net.config.get_text_config()
     check_tensor_parallel_size(text_config, world_size)
     prefix, decoder = find_decoder(net)
-    patterns = [(re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), style)
-                for p, style in resolve_plan(text_config).items()]
+    patterns = [
+        (re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), style)
+        for p, style in resolve_plan(text_config).items()
+    ]
     replaced = []
     for name, module in decoder.named_modules():
         style = next((s for rx, s in patterns if rx.match(name)), None)
         if style is None or style in REPLICATED:
             continue
         if style not in COLWISE + ROWWISE:
-            raise ValueError(f"tensor parallel: {prefix}.{name} has plan style {style!r}, "
-                             "which tokenbudget does not implement (colwise and rowwise "
-                             "only: dense decoders)")
+            raise ValueError(
+                f"tensor parallel: {prefix}.{name} has plan style {style!r}, "
+                "which tokenbudget does not implement (colwise and rowwise "
+                "only: dense decoders)"
+            )
         if type(module) is not nn.Linear:
-            raise ValueError(f"tensor parallel: {prefix}.{name} ({type(module).__name__}) is "
-                             f"planned {style!r} but is not a plain nn.Linear")
+            raise ValueError(
+                f"tensor parallel: {prefix}.{name} ({type(module).__name__}) is "
+                f"planned {style!r} but is not a plain nn.Linear"
+            )
         features = module.out_features if style in COLWISE else module.in_features
         if features % world_size:
-            raise ValueError(f"tensor parallel: {prefix}.{name} has {features} features, not "
-                             f"divisible by tensor_parallel_size={world_size}")
-        shard = ColumnParallelLinear(module, rank, world_size) if style in COLWISE else \
-            RowParallelLinear(module, rank, world_size, all_reduce)
+            raise ValueError(
+                f"tensor parallel: {prefix}.{name} has {features} features, not "
+                f"divisible by tensor_parallel_size={world_size}"
+            )
+        shard = (
+            ColumnParallelLinear(module, rank, world_size)
+            if style in COLWISE
+            else RowParallelLinear(module, rank, world_size, all_reduce)
+        )
         replaced.append((name, shard))
     if not replaced:
-        raise ValueError(f"tensor parallel: no layer of {type(net).__name__} matches its "
-                         "tensor-parallel plan; it cannot be sharded")
+        raise ValueError(
+            f"tensor parallel: no layer of {type(net).__name__} matches its "
+            "tensor-parallel plan; it cannot be sharded"
+        )
     for name, shard in replaced:
         parent_name, _, child = name.rpartition(".")
         setattr(decoder.get_submodule(parent_name), child, shard)

@@ -22,20 +22,23 @@ match. Cost: O(requests * length) once plus O(candidates * prompt_lookup_max)
 (about 50 us for 4 sequences of 300 tokens, 0.2 ms for 64 of 512 and 1.2 ms
 for 256 of 1024 on one CPU core; benchmarks/spec_decode.py reports it per step).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
 class NgramProposer:
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
-                 prompt_lookup_max: int) -> None:
+    def __init__(
+        self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
+    ) -> None:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: np.ndarray, rows: np.ndarray,
-                num_tokens: np.ndarray) -> list[list[int]]:
+    def propose(
+        self, token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray
+    ) -> list[list[int]]:
         """Drafts for sequences ``token_ids[rows[b], :num_tokens[b]]`` (at most k each;
         empty where no suffix of at least prompt_lookup_min tokens occurred before)."""
         num = len(rows)
@@ -62,8 +65,10 @@ class NgramProposer:
         alive = np.ones(len(b), dtype=bool)
         for i in range(1, self.max_n):
             alive &= p >= i
-            alive[alive] = (token_ids[seq_rows[alive], p[alive] - i]
-                            == token_ids[seq_rows[alive], seq_last[alive] - i])
+            alive[alive] = (
+                token_ids[seq_rows[alive], p[alive] - i]
+                == token_ids[seq_rows[alive], seq_last[alive] - i]
+            )
             length += alive
         # Per sequence: the longest match, then the most recent one.
         key = length * (ends + 1) + p

@@ -22,6 +22,7 @@ rewinding the generator past the rows that were thrown away
 (``SeedRewind``) a seeded request samples the very same tokens with or
 without drafts.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,7 +47,7 @@ def aligned_drafts(num_rows: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
     first = np.cumsum(num_rows) - num_rows
     for j, d in zip(first.tolist(), drafts):
         if d:
-            aligned[j:j + len(d)] = d
+            aligned[j : j + len(d)] = d
     return aligned
 
 
@@ -60,8 +61,14 @@ class SeedRewind:
     def save(self, request_index: int, generator: torch.Generator) -> None:
         self._saved[request_index] = (generator, generator.get_state())
 
-    def rewind(self, request_index: int, num_rows: int, num_emitted: int,
-               row_shape: tuple[int, ...], device: torch.device) -> None:
+    def rewind(
+        self,
+        request_index: int,
+        num_rows: int,
+        num_emitted: int,
+        row_shape: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
         """The sampler drew one ``row_shape`` float32 uniform block per row; keep only
         the first ``num_emitted`` draws' worth of consumed randomness."""
         saved = self._saved.get(request_index)

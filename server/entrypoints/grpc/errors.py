@@ -16,6 +16,7 @@ Three rules every service on the public port follows:
   threshold (core/utils/gc_policy.py) that took the server from 0.9 GB to 3.4 GB
   over 40 refused 2 MB prompts.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -36,7 +37,8 @@ INTERNAL_ERROR = "internal error while serving the request; the server's log has
 _MAX_MESSAGE_CHARS = 2000
 _SOURCE_PATH = re.compile(
     r"(?:[A-Za-z]:)?(?:[/\\][\w.+@~-]+)*[/\\]([\w.+@-]+\.(?:py|pyx|pxi|pxd|cc|cpp|cxx|c|h|hpp|"
-    r"cu|cuh|so))\b")
+    r"cu|cuh|so))\b"
+)
 _TRACEBACK_FRAME = re.compile(r'^\s*File "[^"]*", line \d+.*$\n?(?:^\s{4,}\S.*$\n?)*', re.M)
 
 
@@ -51,12 +53,13 @@ def public_message(exc: BaseException | str) -> str:
         text = " ".join(s for s in (head.strip(), last[-1].strip() if last else "") if s)
     text = _SOURCE_PATH.sub(r"\1", text)
     if len(text) > _MAX_MESSAGE_CHARS:
-        text = text[:_MAX_MESSAGE_CHARS - 3] + "..."
+        text = text[: _MAX_MESSAGE_CHARS - 3] + "..."
     return text
 
 
-def refuse(context: grpc.ServicerContext | grpc.aio.ServicerContext, code: grpc.StatusCode,
-           message: str) -> None:
+def refuse(
+    context: grpc.ServicerContext | grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> None:
     """Set the call's status; the handler then returns (see the module's
     docstring for why this is not ``context.abort``)."""
     context.set_code(code)
@@ -74,12 +77,15 @@ def undecodable(descriptor: Descriptor, data: bytes) -> Undecodable:
     field = _field_with_bad_utf8(descriptor, data, "")
     if field is not None:
         return Undecodable(f"{field}: not valid UTF-8 (string fields must hold UTF-8 text)")
-    return Undecodable(f"the request is not a valid {descriptor.full_name} message (its bytes "
-                       "do not parse as protobuf)")
+    return Undecodable(
+        f"the request is not a valid {descriptor.full_name} message (its bytes "
+        "do not parse as protobuf)"
+    )
 
 
-def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any,
-                 server: grpc.Server | grpc.aio.Server) -> None:
+def add_servicer(
+    add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.Server | grpc.aio.Server
+) -> None:
     """``add_to_server(servicer, server)`` (a generated ``add_XServicer_to_server``),
     with every method refusing undecodable requests with INVALID_ARGUMENT;
     on a grpc.aio server an unexpected exception is logged and answered
@@ -88,8 +94,9 @@ def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any,
     add_to_server(servicer, captured)
     is_aio = isinstance(server, grpc.aio.Server)
     handlers = {name: _guarded(h, is_aio) for name, h in captured.handlers.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.service,
-                                                                          handlers),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(captured.service, handlers),)
+    )
     server.add_registered_method_handlers(captured.service, handlers)
 
 
@@ -127,7 +134,8 @@ def _guarded(handler: grpc.RpcMethodHandler, is_aio: bool) -> grpc.RpcMethodHand
         request_deserializer=deserialize,
         # A refused unary call returns None; its status is what the client gets.
         response_serializer=lambda message: b"" if message is None else serialize(message),
-        **{kind: wrap(behavior)})
+        **{kind: wrap(behavior)},
+    )
 
 
 def _sync_behavior(behavior: Callable) -> Callable:
@@ -144,6 +152,7 @@ def _aio_behavior(behavior: Callable) -> Callable:
     # grpc.aio tells a streaming handler that yields from one that writes by
     # its function's kind, so the wrapper keeps the kind of what it wraps.
     if inspect.isasyncgenfunction(behavior):
+
         async def stream(request, context):
             if isinstance(request, Undecodable):
                 refuse(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -178,6 +187,7 @@ def _internal(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 # -- finding the string field that is not UTF-8 ----------------------------------------
 
+
 def _field_with_bad_utf8(descriptor: Descriptor, data: bytes, prefix: str) -> str | None:
     """The path (``chat.messages[0].content[1].text``) of the first string
     field in ``data`` that is not UTF-8, or None (also for bytes that are
@@ -194,7 +204,7 @@ def _field_with_bad_utf8(descriptor: Descriptor, data: bytes, prefix: str) -> st
                 pos += 8 if wire_type == 1 else 4
             elif wire_type == 2:
                 size, pos = _varint(data, pos)
-                chunk, pos = data[pos:pos + size], pos + size
+                chunk, pos = data[pos : pos + size], pos + size
                 field = descriptor.fields_by_number.get(number)
                 if field is None:
                     continue

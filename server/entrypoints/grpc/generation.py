@@ -1,11 +1,13 @@
 """The Generation gRPC service over an AsyncEngine.
 
 Every bad input is answered with INVALID_ARGUMENT and a message naming the
-field; the engine never sees it. Refusals follow server/entrypoints/grpc/errors.py: no
-paths in messages, a status set and a return rather than ``abort``. ``add_generation_servicer(server, engine)``
-lets any grpc.Server (thread pool) or grpc.aio server host the service; the
-``server`` CLI uses grpc.aio, which streams tokens at about half the CPU.
+field; the engine never sees it. Refusals follow server/entrypoints/grpc/errors.py:
+no paths in messages, a status set and a return rather than ``abort``.
+``add_generation_servicer(server, engine)`` lets any grpc.Server (thread pool)
+or grpc.aio server host the service; the ``server`` CLI uses grpc.aio, which
+streams tokens at about half the CPU.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +25,9 @@ from tokenbudget.core.failures import DuplicateRequestError, QueueFullError
 from tokenbudget.core.structured.manager import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
-from tokenbudget.server.engine.streams import Chunk, RequestStream
+from tokenbudget.server.engine.streams import RequestStream
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
+from tokenbudget.server.entrypoints.grpc.generation_replies import Replies, embed_response
 from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
 from tokenbudget.server.engine.request_builder import build_pooling_request, make_requests
 
@@ -72,7 +75,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         rid = stream.request_id
         # A client that cancels or disconnects frees its KV within one step.
         context.add_callback(lambda: self.engine.abort(rid))
-        reply = _Replies(req, rid)
+        reply = Replies(req, rid)
         try:
             for chunk in stream:
                 yield reply.message(chunk)
@@ -91,16 +94,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if not rid:
             raise ValueError("request_id must not be empty (leave it unset to get one)")
         try:
-            params = convert.sampling_params_from_proto(request.sampling_params,
-                                                        self.engine.sampling_defaults)
+            params = convert.sampling_params_from_proto(
+                request.sampling_params, self.engine.sampling_defaults
+            )
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
         prompt = self._prompt(request)
         # Optional fields: unset is None (the scheduler's "not given").
-        options = {name: getattr(request, name) for name in _OPTIONAL_REQUEST_FIELDS
-                   if request.HasField(name)}
-        return rid, make_requests(self.engine, rid, prompt, params, priority=request.priority,
-                                  **options)
+        options = {
+            name: getattr(request, name)
+            for name in _OPTIONAL_REQUEST_FIELDS
+            if request.HasField(name)
+        }
+        return rid, make_requests(
+            self.engine, rid, prompt, params, priority=request.priority, **options
+        )
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> dict:
         """The InputProcessor's prompt form for the request's input oneof."""
@@ -122,8 +130,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             limit = self.engine.max_model_len
             if num_ids > limit and not request.sampling_params.HasField("truncate_prompt_tokens"):
                 # Before the ids become Python ints (36 bytes each).
-                raise ValueError(f"token_ids: the prompt has {num_ids} tokens, more than "
-                                 f"max_model_len={limit}")
+                raise ValueError(
+                    f"token_ids: the prompt has {num_ids} tokens, more than max_model_len={limit}"
+                )
             if images:
                 return {"prompt": list(request.token_ids.ids), "images": images}
             return {"prompt_token_ids": list(request.token_ids.ids)}
@@ -148,7 +157,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except _SERVED_ERRORS as exc:
             refuse(context, *_status_of(exc))
             return None
-        reply = _embed_response(req, rid, chunks[-1] if chunks else None)
+        reply = embed_response(req, rid, chunks[-1] if chunks else None)
         if reply is None:
             refuse(context, grpc.StatusCode.ABORTED, _aborted(rid))
         return reply
@@ -166,19 +175,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise ValueError("text: the prompt must not be empty")
         if kind == "token_ids" and not request.token_ids.ids:
             raise ValueError("token_ids: the prompt must not be empty")
-        prompt = ({"prompt": request.text} if kind == "text"
-                  else {"prompt_token_ids": list(request.token_ids.ids)})
+        prompt = (
+            {"prompt": request.text}
+            if kind == "text"
+            else {"prompt_token_ids": list(request.token_ids.ids)}
+        )
         params = None
         if request.HasField("pooling_params"):
             try:
                 params = convert.pooling_params_from_proto(request.pooling_params)
             except ValueError as exc:
                 raise ValueError(f"pooling_params.{exc}") from None
-        options = {name: getattr(request, name) for name in ("cache_salt", "tenant")
-                   if request.HasField(name)}
-        req = build_pooling_request(self.engine.input_processor, rid, prompt, params,
-                                    self.engine.pooler_config, priority=request.priority,
-                                    **options)
+        options = {
+            name: getattr(request, name)
+            for name in ("cache_salt", "tenant")
+            if request.HasField(name)
+        }
+        req = build_pooling_request(
+            self.engine.input_processor,
+            rid,
+            prompt,
+            params,
+            self.engine.pooler_config,
+            priority=request.priority,
+            **options,
+        )
         return req, self.engine.add_request(req, request_id=rid, detokenize=False)
 
     # -- the other RPCs -------------------------------------------------------------------
@@ -212,24 +233,34 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def _kv_subscription(self, request: generate_pb2.SubscribeKvEventsRequest):
         """(subscription, None) or (None, (status, why))."""
         if request.max_pending < 0:
-            return None, (grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_pending must be >= 0, got {request.max_pending}")
+            return None, (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_pending must be >= 0, got {request.max_pending}",
+            )
         sub = self.engine.subscribe_kv_events(request.max_pending or _KV_EVENTS_MAX_PENDING)
         if sub is None:
-            return None, (grpc.StatusCode.FAILED_PRECONDITION, "KV cache events are off: "
-                          "start the server with --enable-kv-cache-events")
+            return None, (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "KV cache events are off: start the server with --enable-kv-cache-events",
+            )
         return sub, None
 
     def _model_info(self) -> generate_pb2.ModelInfo:
         e = self.engine
         sched, cache = e.scheduler_config, e.cache_config
         return generate_pb2.ModelInfo(
-            model=e.served_model_name, vocab_size=e.input_processor.vocab_size,
-            max_model_len=sched.max_model_len, block_size=cache.block_size,
-            num_blocks=cache.num_blocks, is_vision_language=e.is_vision_language,
-            is_demo=e.is_demo, eos_token_ids=e.eos_token_ids,
-            async_scheduling=sched.async_scheduling, policy=sched.policy,
-            num_workers=e.num_remote_workers)
+            model=e.served_model_name,
+            vocab_size=e.input_processor.vocab_size,
+            max_model_len=sched.max_model_len,
+            block_size=cache.block_size,
+            num_blocks=cache.num_blocks,
+            is_vision_language=e.is_vision_language,
+            is_demo=e.is_demo,
+            eos_token_ids=e.eos_token_ids,
+            async_scheduling=sched.async_scheduling,
+            policy=sched.policy,
+            num_workers=e.num_remote_workers,
+        )
 
 
 class AioGenerationServicer(GenerationServicer):
@@ -239,16 +270,18 @@ class AioGenerationServicer(GenerationServicer):
     round trip per message; on the event loop a message costs about half
     the CPU, and the engine wakes all readers of a step with one call."""
 
-    async def Generate(self, request: generate_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
         try:  # off the loop: tokenizing a long prompt or an image takes milliseconds
             req, stream = await asyncio.get_running_loop().run_in_executor(
-                None, self._submit, request)
+                None, self._submit, request
+            )
         except _SERVED_ERRORS as exc:
             refuse(context, *_status_of(exc))
             refused_bytes.add(request.ByteSize())
             return
-        reply = _Replies(req, stream.request_id)
+        reply = Replies(req, stream.request_id)
         failed = False
         try:
             async for chunk in stream:
@@ -263,7 +296,8 @@ class AioGenerationServicer(GenerationServicer):
     async def Embed(self, request: generate_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
         try:
             req, stream = await asyncio.get_running_loop().run_in_executor(
-                None, self._submit_embed, request)
+                None, self._submit_embed, request
+            )
         except _SERVED_ERRORS as exc:
             refuse(context, *_status_of(exc))
             refused_bytes.add(request.ByteSize())
@@ -280,7 +314,7 @@ class AioGenerationServicer(GenerationServicer):
         finally:
             if not (failed or stream.finished):  # the client cancelled or went away
                 self.engine.abort(stream.request_id)
-        reply = _embed_response(req, stream.request_id, last)
+        reply = embed_response(req, stream.request_id, last)
         if reply is None:
             refuse(context, grpc.StatusCode.ABORTED, _aborted(stream.request_id))
         return reply
@@ -333,55 +367,6 @@ def _not_live(request_id: str) -> str:
     return f"request_id {request_id!r} is not a live request"
 
 
-class _Replies:
-    """GenerateResponse messages of one request (a sample's usage goes on its last)."""
-
-    __slots__ = ("completion", "request", "request_id")
-
-    def __init__(self, request: Request, request_id: str) -> None:
-        self.request = request
-        self.request_id = request_id
-        self.completion: dict[int, int] = {}  # sample index -> tokens sent
-
-    def message(self, chunk: Chunk) -> generate_pb2.GenerateResponse:
-        completion = self.completion.get(chunk.index, 0) + len(chunk.token_ids)
-        self.completion[chunk.index] = completion
-        msg = generate_pb2.GenerateResponse(request_id=self.request_id, index=chunk.index,
-                                            token_ids=chunk.token_ids, text=chunk.text)
-        if chunk.logprobs:
-            for per_token in chunk.logprobs:
-                msg.logprobs.add(token_ids=per_token.keys(), logprobs=per_token.values())
-        if chunk.prompt_logprobs:
-            for per_token in chunk.prompt_logprobs:
-                entry = msg.prompt_logprobs.add()
-                if per_token:  # the first prompt token has none
-                    entry.token_ids.extend(per_token.keys())
-                    entry.logprobs.extend(per_token.values())
-        if chunk.finish_reason is not None:
-            msg.finish_reason = chunk.finish_reason
-            if isinstance(chunk.stop_reason, str):
-                msg.stop_string = chunk.stop_reason
-            elif isinstance(chunk.stop_reason, int):
-                msg.stop_token_id = chunk.stop_reason
-            msg.usage.prompt_tokens = self.request.num_prompt_tokens
-            msg.usage.completion_tokens = completion
-            msg.usage.cached_tokens = chunk.num_cached_tokens
-        return msg
-
-
-def _embed_response(request: Request, request_id: str, last: Chunk
-                    ) -> generate_pb2.EmbedResponse | None:
-    """The reply; None when the request ended without a vector (an Abort)."""
-    if last is None or last.pooling_output is None:
-        return None
-    params = request.pooling_params
-    return generate_pb2.EmbedResponse(
-        request_id=request_id, embedding=last.pooling_output.tolist(),
-        usage=generate_pb2.Usage(prompt_tokens=request.num_prompt_tokens,
-                                 cached_tokens=last.num_cached_tokens),
-        pooling_type=params.pooling_type, normalize=params.normalize)
-
-
 def _chat_has_images(request: generate_pb2.GenerateRequest) -> bool:
     return any(p.WhichOneof("part") == "image" for m in request.chat.messages for p in m.content)
 
@@ -394,19 +379,26 @@ def _message(i: int, m: generate_pb2.ChatMessage) -> dict:
         kind = p.WhichOneof("part")
         if kind is None:
             raise ValueError(f"chat.messages[{i}].content[{j}]: set text or image")
-        parts.append({"type": "text", "text": p.text} if kind == "text"
-                     else {"type": "image", "image": p.image})
+        parts.append(
+            {"type": "text", "text": p.text}
+            if kind == "text"
+            else {"type": "image", "image": p.image}
+        )
     if all(p["type"] == "text" for p in parts):
         return {"role": m.role, "content": "".join(p["text"] for p in parts)}
     return {"role": m.role, "content": parts}
 
 
-def add_generation_servicer(server: grpc.Server | grpc.aio.Server,
-                            engine: AsyncEngine) -> GenerationServicer:
+def add_generation_servicer(
+    server: grpc.Server | grpc.aio.Server, engine: AsyncEngine
+) -> GenerationServicer:
     """Host the Generation service of ``engine`` on ``server`` (not started):
     a thread-pool grpc.Server or a grpc.aio server (cheaper per streamed token)."""
-    servicer = (AioGenerationServicer(engine) if isinstance(server, grpc.aio.Server)
-                else GenerationServicer(engine))
+    servicer = (
+        AioGenerationServicer(engine)
+        if isinstance(server, grpc.aio.Server)
+        else GenerationServicer(engine)
+    )
     add_servicer(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, server)
     return servicer
 

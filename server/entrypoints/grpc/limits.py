@@ -10,6 +10,7 @@ Refused requests are counted in bytes too (``refused_bytes``): a collection
 runs once they add up, so a cycle holding a large refused payload does not
 wait for thousands of other allocations (core/utils/gc_policy.py).
 """
+
 from __future__ import annotations
 
 import gc
@@ -41,6 +42,7 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
             return handler
         behavior = handler.unary_stream or handler.unary_unary
         if inspect.isasyncgenfunction(behavior):
+
             async def limited(request, context):
                 if not self._enter(context):
                     return
@@ -50,6 +52,7 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     self.active -= 1
         else:
+
             async def limited(request, context):
                 if not self._enter(context):
                     return None
@@ -57,6 +60,7 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
                     return await behavior(request, context)
                 finally:
                     self.active -= 1
+
         return handler_with_behavior(handler, limited)
 
     def _enter(self, context: grpc.aio.ServicerContext) -> bool:
@@ -64,9 +68,12 @@ class GenerationLimitInterceptor(grpc.aio.ServerInterceptor):
         abort, whose exception would keep the request in a reference cycle
         (server/entrypoints/grpc/errors.py)."""
         if self.active >= self.limit:
-            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                   f"the server is generating for {self.active} calls, its "
-                   f"--max-concurrent-rpcs={self.limit}; retry later")
+            refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is generating for {self.active} calls, its "
+                f"--max-concurrent-rpcs={self.limit}; retry later",
+            )
             return False
         self.active += 1
         return True

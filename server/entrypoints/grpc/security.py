@@ -7,6 +7,7 @@ grpc.health.v1 service stays open so orchestrators can probe without it.
 ``--tls-cert``/``--tls-key`` serve TLS; ``--tls-client-ca`` also requires
 every client to present a certificate that CA signed (mutual TLS).
 """
+
 from __future__ import annotations
 
 import grpc
@@ -30,21 +31,26 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
-def server_credentials(cert: str | None, key: str | None,
-                       client_ca: str | None) -> grpc.ServerCredentials | None:
+def server_credentials(
+    cert: str | None, key: str | None, client_ca: str | None
+) -> grpc.ServerCredentials | None:
     """TLS credentials for --tls-cert/--tls-key/--tls-client-ca (None: plaintext).
     Raises ValueError naming the flag that is missing or unreadable."""
     if cert is None and key is None:
         if client_ca is not None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is "
-                             "TLS that also checks the client's certificate)")
+            raise ValueError(
+                "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is "
+                "TLS that also checks the client's certificate)"
+            )
         return None
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together: give both")
     ca = read_pem(client_ca, "--tls-client-ca") if client_ca is not None else None
     return grpc.ssl_server_credentials(
         [(read_pem(key, "--tls-key"), read_pem(cert, "--tls-cert"))],
-        root_certificates=ca, require_client_auth=ca is not None)
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -57,15 +63,21 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES) or \
-                presents(handler_call_details.invocation_metadata, self._api_key):
+        if (
+            handler is None
+            or handler_call_details.method.startswith(OPEN_SERVICES)
+            or presents(handler_call_details.invocation_metadata, self._api_key)
+        ):
             return handler
 
         async def deny(request, context):
             # A status and a return: abort's exception would keep the request
             # in a reference cycle (server/entrypoints/grpc/errors.py).
-            refuse(context, grpc.StatusCode.UNAUTHENTICATED,
-                   "missing or wrong API key: send metadata "
-                   "'authorization: Bearer <key>' (the server's --api-key)")
+            refuse(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong API key: send metadata "
+                "'authorization: Bearer <key>' (the server's --api-key)",
+            )
 
         return handler_with_behavior(handler, deny)

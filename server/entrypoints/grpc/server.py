@@ -6,6 +6,7 @@ reflection), ``drain`` refuses new requests and waits for those in flight,
 grpc.aio: every stream is a coroutine on one event loop, which costs about
 half the CPU per streamed token of a thread per stream.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,21 +46,27 @@ async def _serve(args: argparse.Namespace, engine) -> int:
     return 1 if gateway is not None and gateway.failed_with is not None else 0
 
 
-async def _start_gateway(args: argparse.Namespace, engine, grpc_port: int,
-                         stop: asyncio.Event):
+async def _start_gateway(args: argparse.Namespace, engine, grpc_port: int, stop: asyncio.Event):
     """server --openai-port: the SGLang gateway in front (openai_gateway.py);
     if it exits, ``stop`` is set and the server stops with status 1."""
     from tokenbudget.server.entrypoints.openai_gateway import Gateway
 
     loop = asyncio.get_running_loop()
     connect = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    gateway = Gateway.start(host=args.host, port=args.openai_port,
-                            grpc_address=f"{connect}:{grpc_port}", model=engine.model_name,
-                            log_level=args.log_level,
-                            on_exit=lambda status: loop.call_soon_threadsafe(stop.set))
+    gateway = Gateway.start(
+        host=args.host,
+        port=args.openai_port,
+        grpc_address=f"{connect}:{grpc_port}",
+        model=engine.model_name,
+        log_level=args.log_level,
+        on_exit=lambda status: loop.call_soon_threadsafe(stop.set),
+    )
     if await loop.run_in_executor(None, gateway.wait_ready):
-        print(f"OpenAI API (SGLang gateway, pid {gateway.proc.pid}) on "
-              f"http://{args.host}:{args.openai_port}/v1", flush=True)
+        print(
+            f"OpenAI API (SGLang gateway, pid {gateway.proc.pid}) on "
+            f"http://{args.host}:{args.openai_port}/v1",
+            flush=True,
+        )
     else:
         logger.error("the SGLang gateway did not start serving this server")
         stop.set()
@@ -88,12 +95,21 @@ class GrpcFrontend:
         from tokenbudget.server.entrypoints.grpc.security import server_credentials
 
         args, engine = self.args, self.engine
-        self.server = grpc.aio.server(interceptors=self._interceptors(), options=[
-            ("grpc.max_receive_message_length", args.max_message_size),
-            ("grpc.max_send_message_length", args.max_message_size), NO_PORT_REUSE])
+        self.server = grpc.aio.server(
+            interceptors=self._interceptors(),
+            options=[
+                ("grpc.max_receive_message_length", args.max_message_size),
+                ("grpc.max_send_message_length", args.max_message_size),
+                NO_PORT_REUSE,
+            ],
+        )
         try:
-            port = bind_port(self.server, args.host, args.port,
-                             server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca))
+            port = bind_port(
+                self.server,
+                args.host,
+                args.port,
+                server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
+            )
         except OSError:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
             raise
@@ -101,7 +117,8 @@ class GrpcFrontend:
         self.servicer = add_generation_servicer(self.server, engine)
         # The SGLang model gateway's worker protocol, on the same port.
         self.sglang = sglang_service.add_sglang_scheduler_servicer(
-            self.server, engine, served_model_name=getattr(args, "served_model_name", None))
+            self.server, engine, served_model_name=getattr(args, "served_model_name", None)
+        )
         self._add_health_and_reflection()
         await self.server.start()
         await self._set_health(engine.healthy)
@@ -112,8 +129,11 @@ class GrpcFrontend:
     async def drain(self) -> None:
         """Refuse new requests; wait up to --drain-timeout for those in flight."""
         engine, loop = self.engine, asyncio.get_running_loop()
-        logger.info("draining: refusing new requests, waiting up to %.0fs for %d in flight",
-                    self.args.drain_timeout, engine.num_requests)
+        logger.info(
+            "draining: refusing new requests, waiting up to %.0fs for %d in flight",
+            self.args.drain_timeout,
+            engine.num_requests,
+        )
         self.servicer.draining.set()
         self.sglang.draining = True
         await self._set_health(False)
@@ -123,9 +143,13 @@ class GrpcFrontend:
         # What the drain left, for operators (and tests): all zeros unless it timed out.
         try:
             s = await loop.run_in_executor(None, engine.get_stats, 2.0)
-            logger.info("drained: %d requests running, %d waiting, %d of %d KV blocks in use",
-                        s.num_running, s.num_waiting, s.num_total_blocks - s.num_free_blocks,
-                        s.num_total_blocks)
+            logger.info(
+                "drained: %d requests running, %d waiting, %d of %d KV blocks in use",
+                s.num_running,
+                s.num_waiting,
+                s.num_total_blocks - s.num_free_blocks,
+                s.num_total_blocks,
+            )
         except Exception as exc:  # an engine that died or hangs has no stats to give
             logger.warning("drained; the engine gave no stats: %s", exc)
 
@@ -136,8 +160,9 @@ class GrpcFrontend:
         recorder = self.engine.trace_recorder
         if recorder is not None:
             recorder.save(self.args.record_trace)
-            logger.info("trace of %d requests written to %s", len(recorder.requests),
-                        self.args.record_trace)
+            logger.info(
+                "trace of %d requests written to %s", len(recorder.requests), self.args.record_trace
+            )
         logger.info("stopped")
 
     def _interceptors(self) -> list:
@@ -148,9 +173,16 @@ class GrpcFrontend:
 
         # The key is checked first: a call without it must not take a generation slot.
         interceptors = [ApiKeyInterceptor(self.args.api_key)] if self.args.api_key else []
-        interceptors.append(GenerationLimitInterceptor(self.args.max_concurrent_rpcs, (
-            f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Embed",
-            f"/{sglang_service.SERVICE_NAME}/Generate")))
+        interceptors.append(
+            GenerationLimitInterceptor(
+                self.args.max_concurrent_rpcs,
+                (
+                    f"/{SERVICE_NAME}/Generate",
+                    f"/{SERVICE_NAME}/Embed",
+                    f"/{sglang_service.SERVICE_NAME}/Generate",
+                ),
+            )
+        )
         return interceptors
 
     def _add_health_and_reflection(self) -> None:
@@ -164,8 +196,9 @@ class GrpcFrontend:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # The worker's control plane (Initialize, Shutdown) is not served here and
         # must not be advertised on the public port.
-        _enable_reflection(self.server, (SERVICE_NAME, sglang_service.SERVICE_NAME,
-                                         health.SERVICE_NAME))
+        _enable_reflection(
+            self.server, (SERVICE_NAME, sglang_service.SERVICE_NAME, health.SERVICE_NAME)
+        )
         loop = asyncio.get_running_loop()
 
         def on_health(serving: bool) -> None:  # called on the engine thread
@@ -185,8 +218,11 @@ class GrpcFrontend:
         from tokenbudget.server.entrypoints.grpc import sglang as sglang_service
         from tokenbudget.server.entrypoints.grpc.generation import SERVICE_NAME
 
-        status = health_pb2.HealthCheckResponse.SERVING if serving else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         async with self._health_lock:
             for name in ("", SERVICE_NAME, sglang_service.SERVICE_NAME):
                 await self.health.set(name, status)
@@ -206,7 +242,11 @@ def _enable_reflection(server, service_names: tuple[str, ...]) -> None:
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
         request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers(tuple(
-        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
-        for name in names))
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        tuple(
+            grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
+            for name in names
+        )
+    )

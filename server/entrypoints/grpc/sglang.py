@@ -15,6 +15,7 @@ replica's circuit breaker. Only a replica that cannot serve at all (draining,
 engine dead) answers with a status (UNAVAILABLE), so the gateway goes
 elsewhere.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,13 @@ from tokenbudget.core.request import Request
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
 from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
 from tokenbudget.server.engine.request_builder import build_pooling_request, make_requests
-from tokenbudget.server.entrypoints.grpc.sglang_convert import (GatewayRequest, Replies,
-                                                                gateway_request, has_mm_inputs,
-                                                                model_info)
+from tokenbudget.server.entrypoints.grpc.sglang_convert import (
+    GatewayRequest,
+    Replies,
+    gateway_request,
+    has_mm_inputs,
+    model_info,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None) -> None:
         self.engine = engine
-        self.served_model_name = (served_model_name or getattr(engine, "served_model_name", None)
-                                  or engine.model_name)
+        self.served_model_name = (
+            served_model_name or getattr(engine, "served_model_name", None) or engine.model_name
+        )
         self.ready = False
         self.draining = False
         self.start_time = time.time()
@@ -76,8 +82,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self._model_info = model_info(engine, self.served_model_name)
 
     # -- Generate ---------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         self.last_receive_time = time.time()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("SglangScheduler.Generate %s", _brief(request))
@@ -86,7 +93,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             return
         try:  # off the loop: request building checks token ids and compiles nothing
             req, stream = await asyncio.get_running_loop().run_in_executor(
-                None, self._submit, request)
+                None, self._submit, request
+            )
         except _IN_BAND_ERRORS as exc:
             error = _error(request.request_id, exc)
         except EngineDeadError as exc:
@@ -114,12 +122,18 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def _submit(self, request: pb.GenerateRequest) -> tuple[GatewayRequest, RequestStream]:
         engine = self.engine
         req = gateway_request(request, engine.max_model_len)
-        requests = make_requests(engine, req.request_id,
-                                 {"prompt_token_ids": req.prompt_token_ids}, req.params,
-                                 priority=req.priority, cache_salt=req.cache_salt)
+        requests = make_requests(
+            engine,
+            req.request_id,
+            {"prompt_token_ids": req.prompt_token_ids},
+            req.params,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
         # The gateway detokenizes; we need text only to match stop strings.
-        stream = engine.add_request(requests, request_id=req.request_id,
-                                    detokenize=bool(req.params.stop))
+        stream = engine.add_request(
+            requests, request_id=req.request_id, detokenize=bool(req.params.stop)
+        )
         return req, stream
 
     # -- the other RPCs -------------------------------------------------------------------
@@ -133,7 +147,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         rid = request.request_id or uuid.uuid4().hex
         try:
             req = await asyncio.get_running_loop().run_in_executor(
-                None, self._embed_request, request, rid)
+                None, self._embed_request, request, rid
+            )
             stream = self.engine.add_request(req, request_id=rid, detokenize=False)
         except _IN_BAND_ERRORS as exc:
             refused_bytes.add(request.ByteSize())
@@ -154,17 +169,26 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             if not stream.finished:  # the gateway cancelled
                 self.engine.abort(rid)
         if last is None or last.pooling_output is None:
-            return pb.EmbedResponse(request_id=rid, error=pb.EmbedError(
-                message=f"request {rid!r} was aborted", code="499"))
+            return pb.EmbedResponse(
+                request_id=rid,
+                error=pb.EmbedError(message=f"request {rid!r} was aborted", code="499"),
+            )
         vector = last.pooling_output.tolist()
-        return pb.EmbedResponse(request_id=rid, complete=pb.EmbedComplete(
-            embedding=vector, prompt_tokens=req.num_prompt_tokens,
-            cached_tokens=last.num_cached_tokens, embedding_dim=len(vector)))
+        return pb.EmbedResponse(
+            request_id=rid,
+            complete=pb.EmbedComplete(
+                embedding=vector,
+                prompt_tokens=req.num_prompt_tokens,
+                cached_tokens=last.num_cached_tokens,
+                embedding_dim=len(vector),
+            ),
+        )
 
     def _embed_request(self, request: pb.EmbedRequest, rid: str) -> Request:
         if has_mm_inputs(request):
-            raise ValueError("mm_inputs: multimodal inputs are not supported through the "
-                             "gateway protocol yet")
+            raise ValueError(
+                "mm_inputs: multimodal inputs are not supported through the gateway protocol yet"
+            )
         if request.is_cross_encoder:
             raise ValueError("is_cross_encoder: cross-encoder scoring is not supported")
         if request.token_type_ids:
@@ -172,14 +196,20 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if request.texts:
             raise ValueError("texts: send one tokenized prompt per request")
         if request.data_parallel_rank > 0:
-            raise ValueError(f"data_parallel_rank: this server has one rank (0), got "
-                             f"{request.data_parallel_rank}")
+            raise ValueError(
+                f"data_parallel_rank: this server has one rank (0), got "
+                f"{request.data_parallel_rank}"
+            )
         if not request.tokenized.input_ids:
             raise ValueError("tokenized.input_ids: the prompt must not be empty")
         engine = self.engine
-        return build_pooling_request(engine.input_processor, rid,
-                                     {"prompt_token_ids": list(request.tokenized.input_ids)},
-                                     None, engine.pooler_config)
+        return build_pooling_request(
+            engine.input_processor,
+            rid,
+            {"prompt_token_ids": list(request.tokenized.input_ids)},
+            None,
+            engine.pooler_config,
+        )
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         reason = self._unhealthy_reason()
@@ -197,8 +227,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if self.engine.abort(request.request_id):
             return pb.AbortResponse(success=True, message=f"aborted {request.request_id!r}")
-        return pb.AbortResponse(success=False,
-                                message=f"request_id {request.request_id!r} is not live")
+        return pb.AbortResponse(
+            success=False, message=f"request_id {request.request_id!r} is not live"
+        )
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         return self._model_info
@@ -207,17 +238,27 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         e = self.engine
         sched = e.scheduler_config
         msg = pb.GetServerInfoResponse(
-            active_requests=e.num_requests, is_paused=False,
+            active_requests=e.num_requests,
+            is_paused=False,
             last_receive_timestamp=self.last_receive_time,
             uptime_seconds=time.time() - self.start_time,
-            sglang_version=f"tokenbudget {metadata.version('tokenbudget')}", server_type="grpc")
+            sglang_version=f"tokenbudget {metadata.version('tokenbudget')}",
+            server_type="grpc",
+        )
         msg.start_time.FromSeconds(int(self.start_time))
-        msg.server_args.update({
-            "model_path": e.model_name, "served_model_name": self.served_model_name,
-            "tp_size": 1, "dp_size": 1, "context_length": sched.max_model_len,
-            "max_running_requests": sched.max_num_seqs,
-            "chunked_prefill_size": sched.max_num_batched_tokens,
-            "page_size": e.cache_config.block_size, "schedule_policy": sched.policy})
+        msg.server_args.update(
+            {
+                "model_path": e.model_name,
+                "served_model_name": self.served_model_name,
+                "tp_size": 1,
+                "dp_size": 1,
+                "context_length": sched.max_model_len,
+                "max_running_requests": sched.max_num_seqs,
+                "chunked_prefill_size": sched.max_num_batched_tokens,
+                "page_size": e.cache_config.block_size,
+                "schedule_policy": sched.policy,
+            }
+        )
         msg.scheduler_info.update({"max_total_num_tokens": _token_capacity(e)})
         return msg
 
@@ -231,19 +272,30 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         max_seqs = self.engine.scheduler_config.max_num_seqs
         load = pb.SchedulerLoad(
-            dp_rank=0, num_running_reqs=s.num_running, num_waiting_reqs=s.num_waiting,
+            dp_rank=0,
+            num_running_reqs=s.num_running,
+            num_waiting_reqs=s.num_waiting,
             num_total_reqs=s.num_running + s.num_waiting,
             num_used_tokens=(s.num_total_blocks - s.num_free_blocks) * block_size,
-            max_total_num_tokens=capacity, token_usage=s.kv_cache_usage,
-            cache_hit_rate=hit_rate, utilization=s.num_running / max_seqs,
-            max_running_requests=max_seqs)
+            max_total_num_tokens=capacity,
+            token_usage=s.kv_cache_usage,
+            cache_hit_rate=hit_rate,
+            utilization=s.num_running / max_seqs,
+            max_running_requests=max_seqs,
+        )
         return pb.GetLoadsResponse(
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            version=metadata.version("tokenbudget"), dp_rank_count=1, loads=[load],
+            version=metadata.version("tokenbudget"),
+            dp_rank_count=1,
+            loads=[load],
             aggregate=pb.AggregateMetrics(
-                total_running_reqs=s.num_running, total_waiting_reqs=s.num_waiting,
-                total_reqs=s.num_running + s.num_waiting, avg_token_usage=s.kv_cache_usage,
-                avg_utilization=load.utilization))
+                total_running_reqs=s.num_running,
+                total_waiting_reqs=s.num_waiting,
+                total_reqs=s.num_running + s.num_waiting,
+                avg_token_usage=s.kv_cache_usage,
+                avg_utilization=load.utilization,
+            ),
+        )
 
 
 def _brief(request: pb.GenerateRequest) -> str:
@@ -251,20 +303,22 @@ def _brief(request: pb.GenerateRequest) -> str:
     shown = pb.GenerateRequest()
     shown.CopyFrom(request)
     shown.tokenized.Clear()
-    return f"({len(request.tokenized.input_ids)} prompt tokens) " + \
-        str(shown).replace("\n", " ")
+    return f"({len(request.tokenized.input_ids)} prompt tokens) " + str(shown).replace("\n", " ")
 
 
 def _error(request_id: str, exc: BaseException) -> pb.GenerateResponse:
     status = next(code for t, code in _HTTP_STATUS_OF_ERROR if isinstance(exc, t))
-    return pb.GenerateResponse(request_id=request_id, error=pb.GenerateError(
-        message=public_message(exc), http_status_code=status))
+    return pb.GenerateResponse(
+        request_id=request_id,
+        error=pb.GenerateError(message=public_message(exc), http_status_code=status),
+    )
 
 
 def _embed_error(request_id: str, exc: BaseException) -> pb.EmbedResponse:
     status = next(code for t, code in _HTTP_STATUS_OF_ERROR if isinstance(exc, t))
-    return pb.EmbedResponse(request_id=request_id, error=pb.EmbedError(
-        message=public_message(exc), code=status))
+    return pb.EmbedResponse(
+        request_id=request_id, error=pb.EmbedError(message=public_message(exc), code=status)
+    )
 
 
 def _token_capacity(engine: AsyncEngine) -> int:
@@ -272,9 +326,9 @@ def _token_capacity(engine: AsyncEngine) -> int:
     return (cache.num_blocks - 1) * cache.block_size
 
 
-def add_sglang_scheduler_servicer(server: grpc.aio.Server, engine: AsyncEngine, *,
-                                  served_model_name: str | None = None
-                                  ) -> SglangSchedulerServicer:
+def add_sglang_scheduler_servicer(
+    server: grpc.aio.Server, engine: AsyncEngine, *, served_model_name: str | None = None
+) -> SglangSchedulerServicer:
     """Host the gateway's worker protocol for ``engine`` on a grpc.aio ``server``
     (not started). Call ``servicer.ready = True`` once the server serves."""
     if not isinstance(server, grpc.aio.Server):

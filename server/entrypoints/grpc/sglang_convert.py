@@ -6,6 +6,7 @@ serve; errors about our SamplingParams use the gateway's field names. Out: a
 request's Chunks become its GenerateResponses (``Replies``), and the model
 becomes GetModelInfo's answer. The service (sglang.py) does the rest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,30 +46,76 @@ def gateway_request(request: pb.GenerateRequest, max_model_len: int) -> GatewayR
     if not num_prompt_tokens:
         raise ValueError("tokenized.input_ids: the prompt must not be empty")
     if num_prompt_tokens > max_model_len:  # before the ids become a Python list
-        raise ValueError(f"tokenized.input_ids: the prompt has {num_prompt_tokens} tokens, more "
-                         f"than the context length {max_model_len}")
+        raise ValueError(
+            f"tokenized.input_ids: the prompt has {num_prompt_tokens} tokens, more "
+            f"than the context length {max_model_len}"
+        )
     prompt = list(request.tokenized.input_ids)
     sp = request.sampling_params
+    kwargs = _sampling_kwargs(sp, max_model_len, len(prompt))
+    top_logprobs, input_from = _logprob_kwargs(request, len(prompt), kwargs)
+    if sp.HasField("stream_interval") and sp.stream_interval < 1:
+        raise ValueError(f"sampling_params.stream_interval must be >= 1, got {sp.stream_interval}")
+    custom = _custom_params(sp)
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"sampling_params.{_sglang_name(str(exc))}") from None
+    return GatewayRequest(
+        request.request_id or uuid.uuid4().hex,
+        prompt,
+        params,
+        request.stream,
+        priority=custom.get("priority", 0),
+        cache_salt=custom.get("cache_salt"),
+        stream_interval=sp.stream_interval if sp.HasField("stream_interval") else 1,
+        top_logprobs=top_logprobs,
+        input_logprobs_from=input_from,
+    )
+
+
+def _sampling_kwargs(sp: pb.SamplingParams, max_model_len: int, num_prompt_tokens: int) -> dict:
+    """Our SamplingParams' keywords for the gateway's sampling_params."""
     kwargs: dict = {
-        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
-        "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
-        "repetition_penalty": sp.repetition_penalty, "stop": list(sp.stop),
-        "stop_token_ids": list(sp.stop_token_ids), "skip_special_tokens": sp.skip_special_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "min_p": sp.min_p,
+        "frequency_penalty": sp.frequency_penalty,
+        "presence_penalty": sp.presence_penalty,
+        "repetition_penalty": sp.repetition_penalty,
+        "stop": list(sp.stop),
+        "stop_token_ids": list(sp.stop_token_ids),
+        "skip_special_tokens": sp.skip_special_tokens,
         "spaces_between_special_tokens": sp.spaces_between_special_tokens,
-        "n": sp.n or 1, "min_tokens": sp.min_new_tokens, "ignore_eos": sp.ignore_eos,
+        "n": sp.n or 1,
+        "min_tokens": sp.min_new_tokens,
+        "ignore_eos": sp.ignore_eos,
         "include_stop_str_in_output": sp.no_stop_trim,
         "logit_bias": dict(sp.logit_bias) or None,
         # OpenAI's rule without max_tokens: up to the context length.
-        "max_tokens": (sp.max_new_tokens if sp.HasField("max_new_tokens")
-                       else max(max_model_len - len(prompt), 1)),
+        "max_tokens": (
+            sp.max_new_tokens
+            if sp.HasField("max_new_tokens")
+            else max(max_model_len - num_prompt_tokens, 1)
+        ),
     }
     constraint = sp.WhichOneof("constraint")
     if constraint == "structural_tag":
-        raise ValueError("sampling_params.structural_tag: structural tags are not supported "
-                         "(use regex, json_schema or ebnf_grammar)")
+        raise ValueError(
+            "sampling_params.structural_tag: structural tags are not supported "
+            "(use regex, json_schema or ebnf_grammar)"
+        )
     if constraint is not None:
         kind = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar": "grammar"}
         kwargs["structured"] = {kind[constraint]: getattr(sp, constraint)}
+    return kwargs
+
+
+def _logprob_kwargs(
+    request: pb.GenerateRequest, num_prompt_tokens: int, kwargs: dict
+) -> tuple[int | None, int | None]:
+    """Add return_logprob's keywords to ``kwargs``; returns (top_logprobs, input_from)."""
     top_logprobs = input_from = None
     if request.return_logprob:
         if request.top_logprobs_num < 0:
@@ -76,35 +123,28 @@ def gateway_request(request: pb.GenerateRequest, max_model_len: int) -> GatewayR
         top_logprobs = request.top_logprobs_num
         kwargs["logprobs"] = top_logprobs
         if request.logprob_start_len >= 0:
-            if request.logprob_start_len >= len(prompt):
-                raise ValueError(f"logprob_start_len must be < the prompt length "
-                                 f"({len(prompt)}), got {request.logprob_start_len}")
+            if request.logprob_start_len >= num_prompt_tokens:
+                raise ValueError(
+                    f"logprob_start_len must be < the prompt length "
+                    f"({num_prompt_tokens}), got {request.logprob_start_len}"
+                )
             input_from = request.logprob_start_len
             kwargs["prompt_logprobs"] = top_logprobs
-    if sp.HasField("stream_interval") and sp.stream_interval < 1:
-        raise ValueError(f"sampling_params.stream_interval must be >= 1, got "
-                         f"{sp.stream_interval}")
-    custom = _custom_params(sp)
-    try:
-        params = SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise ValueError(f"sampling_params.{_sglang_name(str(exc))}") from None
-    return GatewayRequest(
-        request.request_id or uuid.uuid4().hex, prompt, params, request.stream,
-        priority=custom.get("priority", 0), cache_salt=custom.get("cache_salt"),
-        stream_interval=sp.stream_interval if sp.HasField("stream_interval") else 1,
-        top_logprobs=top_logprobs, input_logprobs_from=input_from)
+    return top_logprobs, input_from
 
 
 # Our SamplingParams' names in errors, as the gateway's client knows them.
-_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-                 "include_stop_str_in_output": "no_stop_trim"}
+_SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "include_stop_str_in_output": "no_stop_trim",
+}
 
 
 def _sglang_name(message: str) -> str:
     for ours, theirs in _SGLANG_NAMES.items():
         if message.startswith(ours + " ") or message.startswith(ours + "."):
-            return theirs + message[len(ours):]
+            return theirs + message[len(ours) :]
     return message
 
 
@@ -112,14 +152,22 @@ def has_mm_inputs(request: pb.GenerateRequest | pb.EmbedRequest) -> bool:
     """Whether the gateway sent any multimodal input (an empty message is none)."""
     mm = request.mm_inputs
     return request.HasField("mm_inputs") and bool(
-        mm.image_urls or mm.video_urls or mm.audio_urls or mm.image_data or mm.video_data
-        or mm.audio_data or mm.HasField("processed_features"))
+        mm.image_urls
+        or mm.video_urls
+        or mm.audio_urls
+        or mm.image_data
+        or mm.video_data
+        or mm.audio_data
+        or mm.HasField("processed_features")
+    )
 
 
 def _refuse_unsupported(request: pb.GenerateRequest) -> None:
     if has_mm_inputs(request):
-        raise ValueError("mm_inputs: multimodal inputs are not supported through the gateway "
-                         "protocol yet (use tokenbudget.v1.Generation)")
+        raise ValueError(
+            "mm_inputs: multimodal inputs are not supported through the gateway "
+            "protocol yet (use tokenbudget.v1.Generation)"
+        )
     if request.token_ids_logprob:
         raise ValueError("token_ids_logprob: logprobs of chosen token ids are not supported")
     if request.return_hidden_states:
@@ -133,8 +181,9 @@ def _refuse_unsupported(request: pb.GenerateRequest) -> None:
     if request.lora_id:
         raise ValueError("lora_id: LoRA adapters are not supported")
     if request.data_parallel_rank > 0:
-        raise ValueError(f"data_parallel_rank: this server has one rank (0), got "
-                         f"{request.data_parallel_rank}")
+        raise ValueError(
+            f"data_parallel_rank: this server has one rank (0), got {request.data_parallel_rank}"
+        )
     if request.need_wait_for_encoder:
         raise ValueError("need_wait_for_encoder: encoder disaggregation is not supported")
 
@@ -149,12 +198,16 @@ def _custom_params(sp: pb.SamplingParams) -> dict:
         elif key == "cache_salt" and isinstance(value, str) and value:
             out[key] = value
         elif key in _CUSTOM_PARAMS:
-            raise ValueError(f"sampling_params.custom_params.{key}: expected "
-                             f"{'an integer' if key == 'priority' else 'a non-empty string'}, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"sampling_params.custom_params.{key}: expected "
+                f"{'an integer' if key == 'priority' else 'a non-empty string'}, "
+                f"got {value!r}"
+            )
         else:
-            raise ValueError(f"sampling_params.custom_params.{key}: not supported (only "
-                             f"{', '.join(_CUSTOM_PARAMS)})")
+            raise ValueError(
+                f"sampling_params.custom_params.{key}: not supported (only "
+                f"{', '.join(_CUSTOM_PARAMS)})"
+            )
     return out
 
 
@@ -165,8 +218,8 @@ class _Sample:
 
     def __init__(self) -> None:
         self.completion = 0
-        self.output_ids: list[int] = []       # every token (the complete of a non-streamed one)
-        self.pending: list[int] = []          # streamed tokens not sent yet (stream_interval)
+        self.output_ids: list[int] = []  # every token (the complete of a non-streamed one)
+        self.pending: list[int] = []  # streamed tokens not sent yet (stream_interval)
         self.logprobs: list[dict[int, float]] = []
         self.pending_logprobs: list[dict[int, float]] = []
 
@@ -199,12 +252,16 @@ class Replies:
                 s.pending_logprobs += chunk.logprobs
             if s.pending and (len(s.pending) >= req.stream_interval or chunk.finish_reason):
                 msg = pb.GenerateStreamChunk(
-                    token_ids=s.pending, prompt_tokens=self.num_prompt_tokens,
-                    completion_tokens=s.completion, cached_tokens=chunk.num_cached_tokens,
-                    index=chunk.index)
+                    token_ids=s.pending,
+                    prompt_tokens=self.num_prompt_tokens,
+                    completion_tokens=s.completion,
+                    cached_tokens=chunk.num_cached_tokens,
+                    index=chunk.index,
+                )
                 if req.top_logprobs is not None:
-                    msg.output_logprobs.CopyFrom(self._output_logprobs(s.pending,
-                                                                       s.pending_logprobs))
+                    msg.output_logprobs.CopyFrom(
+                        self._output_logprobs(s.pending, s.pending_logprobs)
+                    )
                 if self.input_logprobs is not None and not self.input_logprobs_sent:
                     msg.input_logprobs.CopyFrom(self.input_logprobs)
                     self.input_logprobs_sent = True
@@ -214,9 +271,12 @@ class Replies:
             # Streamed, the tokens went in chunks: the gateway would emit them twice.
             done = pb.GenerateComplete(
                 output_ids=[] if req.stream else s.output_ids,
-                finish_reason=chunk.finish_reason, prompt_tokens=self.num_prompt_tokens,
-                completion_tokens=s.completion, cached_tokens=chunk.num_cached_tokens,
-                index=chunk.index)
+                finish_reason=chunk.finish_reason,
+                prompt_tokens=self.num_prompt_tokens,
+                completion_tokens=s.completion,
+                cached_tokens=chunk.num_cached_tokens,
+                index=chunk.index,
+            )
             if isinstance(chunk.stop_reason, str):
                 done.matched_stop_str = chunk.stop_reason
             elif isinstance(chunk.stop_reason, int):
@@ -228,8 +288,9 @@ class Replies:
             out.append(pb.GenerateResponse(request_id=req.request_id, complete=done))
         return out
 
-    def _output_logprobs(self, token_ids: list[int],
-                         logprobs: list[dict[int, float]]) -> pb.OutputLogProbs:
+    def _output_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]]
+    ) -> pb.OutputLogProbs:
         msg = pb.OutputLogProbs()
         for token, per_token in zip(token_ids, logprobs):
             msg.token_ids.append(token)
@@ -249,7 +310,7 @@ class Replies:
         return msg
 
     def _top(self, per_token: dict[int, float]) -> pb.TopLogProbs:
-        best = sorted(per_token.items(), key=lambda kv: -kv[1])[:self.req.top_logprobs]
+        best = sorted(per_token.items(), key=lambda kv: -kv[1])[: self.req.top_logprobs]
         return pb.TopLogProbs(token_ids=[t for t, _ in best], values=[v for _, v in best])
 
 
@@ -266,15 +327,20 @@ def model_info(engine: AsyncEngine, served_model_name: str) -> pb.GetModelInfoRe
     tokenizer = engine.input_processor.tokenizer
     max_len = engine.max_model_len
     return pb.GetModelInfoResponse(
-        model_path=engine.model_name, tokenizer_path=engine.model_name,
+        model_path=engine.model_name,
+        tokenizer_path=engine.model_name,
         is_generation=not is_embedding_checkpoint(engine.model_name),
-        served_model_name=served_model_name, max_context_length=max_len,
+        served_model_name=served_model_name,
+        max_context_length=max_len,
         vocab_size=engine.input_processor.vocab_size,
-        supports_vision=engine.is_vision_language, model_type=config.model_type or "",
+        supports_vision=engine.is_vision_language,
+        model_type=config.model_type or "",
         eos_token_ids=engine.eos_token_ids,
         pad_token_id=_int_or_zero(getattr(tokenizer, "pad_token_id", None)),
         bos_token_id=_int_or_zero(getattr(text, "bos_token_id", None)),
-        max_req_input_len=max_len - 1, architectures=list(config.architectures or []))
+        max_req_input_len=max_len - 1,
+        architectures=list(config.architectures or []),
+    )
 
 
 def _int_or_zero(value) -> int:
