@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import contextlib
 
 import pytest
@@ -73,6 +75,44 @@ class OverlapRecorder:
         self.inner = inner
         self.events: list[tuple[str, int]] = []
         self.drafted: set[int] = set()  # steps that verify drafts
+        self._index: dict[int, int] = {}  # id(SchedulerOutput) -> its step
+        self._sent_events: dict[int, threading.Event] = {}
+        self._sent_lock = threading.Lock()
+        # Steps the worker ran while the engine had already sent the next one.
+        self.worker_overlapped: set[int] = set()
+
+    def _sent(self, n: int) -> threading.Event:
+        with self._sent_lock:
+            return self._sent_events.setdefault(n, threading.Event())
+
+    def hold_until_next_sent(self, run_step, timeout: float = 0.5):
+        """``run_step`` (a worker's execute_model), made to wait before it runs
+        step N until the engine has sent step N+1 (at most ``timeout``). The
+        worker sees the overlap itself: a blocking or one-in-flight executor,
+        or an engine that waits for each step, cannot send N+1 while the
+        worker holds N, and ``worker_overlapped`` stays empty."""
+
+        def execute_model(scheduler_output):
+            n = self._index.get(id(scheduler_output))
+            if n is not None and not scheduler_output.is_empty:
+                if self._sent(n + 1).wait(timeout):
+                    self.worker_overlapped.add(n)
+            return run_step(scheduler_output)
+
+        return execute_model
+
+    def hold_until_another_sent(self, run_step, timeout: float = 0.5):
+        """As hold_until_next_sent, for a worker that sees its own copy of
+        each step (over gRPC): before it runs a step it waits until the engine
+        has sent one more step than it had when the step arrived."""
+
+        def execute_model(scheduler_output):
+            sent = sum(1 for kind, _ in self.events if kind == "send")
+            if not scheduler_output.is_empty and self._sent(sent).wait(timeout):
+                self.worker_overlapped.add(sent)
+            return run_step(scheduler_output)
+
+        return execute_model
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # defers_grammar_bitmask and the like
@@ -85,6 +125,8 @@ class OverlapRecorder:
 
         n = sum(1 for kind, _ in self.events if kind == "send")
         self.events.append(("send", n))
+        self._index[id(scheduler_output)] = n
+        self._sent(n).set()
         if scheduler_output.scheduled_spec_decode_tokens:
             self.drafted.add(n)
         inner = self.inner.execute_model(scheduler_output)

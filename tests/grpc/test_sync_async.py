@@ -78,13 +78,17 @@ def test_async_in_process_loop_overlaps_steps_and_gives_the_sync_tokens(
         forward_threads.add(threading.get_ident())
         return run_step(so)
 
-    worker.execute_model = execute_model
     executor = overlap_recorder(InProcessExecutor(worker, async_mode=True))
+    worker.execute_model = executor.hold_until_next_sent(execute_model)
     assert _run(executor, True)[0] == reference
     # Step N+1 was sent before step N's result was applied, and the forwards
     # ran on the executor's thread, not the engine's.
     assert executor.num_overlapped_steps > len(reference)
     assert threading.get_ident() not in forward_threads
+    # And the worker saw it: while it held step N, the engine sent step N+1.
+    # (An executor whose execute_model waits for its step passes the two
+    # checks above, since the recorder sees "send" before "apply"; not this.)
+    assert len(executor.worker_overlapped) > len(reference)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -94,16 +98,34 @@ def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
     from tokenbudget.worker.grpc_worker import serve
     from tokenbudget.server.executor.remote import RemoteExecutor
 
-    server, port, _ = serve("127.0.0.1", 0)
+    from tokenbudget.worker.worker import Worker
+
+    recorder: list = []
+
+    def held_worker(model, dtype, device, attention_backend):
+        # The worker (in this process, behind a real gRPC server) holds each
+        # step until the engine has sent another: it sees the overlap itself.
+        worker = Worker(
+            model, dtype=dtype, device=device or None, attention_backend=attention_backend
+        )
+        worker.execute_model = recorder[0].hold_until_another_sent(worker.execute_model)
+        return worker
+
+    server, port, _ = serve("127.0.0.1", 0, worker_factory=held_worker)
     try:
         executor = overlap_recorder(RemoteExecutor([f"127.0.0.1:{port}"], tiny_model, device="cpu"))
+        recorder.append(executor)
         assert _run(executor, async_scheduling)[0] == reference
     finally:
         server.stop(0)
     if async_scheduling:  # step N+1 went down the stream before step N's reply was applied
         assert executor.num_overlapped_steps > len(reference)
+        # (a RemoteExecutor.execute_model that waits for its reply passes the
+        # check above, the recorder seeing "send" before "apply"; not this one)
+        assert len(executor.worker_overlapped) > len(reference)
     else:
         assert executor.num_overlapped_steps == 0
+        assert not executor.worker_overlapped
 
 
 def test_two_remote_workers_run_every_step_in_lockstep_and_give_the_sync_tokens(
