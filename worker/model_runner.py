@@ -24,10 +24,9 @@ from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenbudget.worker.attention import (
     allocate_kv_caches,
     build_metadata,
-    flash_block_size_warning,
     kv_cache_bytes_per_block,
-    resolve_backend,
 )
+from tokenbudget.worker.attention_select import flash_block_size_warning, resolve_backend
 from tokenbudget.worker.fault_isolation import StepPart, merge_parts, run_isolating
 from tokenbudget.worker.input_batch import InputBatch, RequestState, StepInputs
 from tokenbudget.worker.kv_cache import (

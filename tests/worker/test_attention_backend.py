@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenbudget.worker import attention
-from tokenbudget.worker.attention import flash_attn_problem
+from tokenbudget.worker import attention_select as attention
+from tokenbudget.worker.attention_select import flash_attn_problem
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

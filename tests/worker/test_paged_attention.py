@@ -9,12 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbudget.worker.attention import (
-    allocate_kv_caches,
-    build_metadata,
-    flash_attn_available,
-    paged_attention_forward,
-)
+from tokenbudget.worker.attention import allocate_kv_caches, build_metadata, paged_attention_forward
+from tokenbudget.worker.attention_select import flash_attn_available
 
 H, HKV, D = 4, 2, 16
 
