@@ -1,0 +1,161 @@
+"""KV cache groups (core/kv/groups.py): one table per attention type over one
+pool, sliding-window groups giving blocks back, and the prefix hit every
+group can serve, checked against a brute force over the cached blocks."""
+
+from __future__ import annotations
+
+import random
+
+from tokenbudget.core import CacheConfig, Request, SamplingParams
+from tokenbudget.core.kv import KVCacheManager
+from tokenbudget.core.kv.groups import HybridKVCacheManager, group_layers
+from tokenbudget.core.kv.tiering import make_kv_cache_manager
+
+BS = 4
+
+
+def _request(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=64), eos_token_id=None)
+
+
+def _run(kv: HybridKVCacheManager, req: Request, chunk: int, steps: int, check=None) -> None:
+    """Admit ``req`` with its prefix hit, then compute ``chunk`` tokens a step
+    (decoding one token a step once its prompt is done)."""
+    hits, num_cached = kv.get_computed_blocks(req)
+    req.num_computed_tokens = 0
+    n = min(chunk, req.num_tokens - num_cached)
+    assert kv.allocate_slots(req, n, hits, num_cached) is not None
+    req.num_computed_tokens = num_cached + n
+    for _ in range(steps):
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_output_token_ids([len(req.all_token_ids) % 7])
+        n = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert kv.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+        if check is not None:
+            check(req)
+        kv.block_pool.check_invariants()
+
+
+def test_one_full_group_is_todays_manager():
+    kv = make_kv_cache_manager(CacheConfig(block_size=BS, num_blocks=8))
+    assert type(kv) is KVCacheManager
+    kv = make_kv_cache_manager(CacheConfig(block_size=BS, num_blocks=8, kv_group_windows=(0,)))
+    assert type(kv) is KVCacheManager
+
+
+def test_layers_group_full_first_then_by_window():
+    assert group_layers([8, 0, 8, 0, 4]) == ((0, 4, 8), [2, 0, 2, 0, 1])
+
+
+def test_block_ids_interleave_groups_and_allocation_takes_both():
+    kv = HybridKVCacheManager(20, BS, (0, 6))
+    req = _request("a", list(range(9)))
+    ids = kv.allocate_slots(req, 9)
+    assert len(ids) == 6  # 3 blocks in each group
+    assert kv.get_block_ids("a") == ids
+    assert [t[1].block_id for t in kv.group_tables("a")] == ids[2:4]
+
+
+def test_allocation_is_all_or_nothing_across_groups():
+    kv = HybridKVCacheManager(6, BS, (0, 6))  # 5 usable blocks
+    req = _request("a", list(range(12)))  # 3 blocks per group: 6 > 5
+    assert kv.allocate_slots(req, 12) is None
+    assert kv.block_pool.get_num_free_blocks() == 5 and not kv.tables
+
+
+def test_a_long_request_holds_a_window_of_blocks_in_a_sliding_group():
+    window = 10
+    kv = HybridKVCacheManager(40, BS, (window,))
+    req = _request("a", list(range(3 * window)))
+    bound = -(-window // BS) + 2
+
+    def check(r: Request) -> None:
+        assert kv.num_held_blocks("a", 0) <= bound, kv.group_tables("a")
+
+    _run(kv, req, BS, 10 * window, check)
+    assert req.num_computed_tokens >= 10 * window
+    kv.free(req)
+    kv.block_pool.check_invariants()
+    assert kv.block_pool.get_num_free_blocks() == 39
+
+
+def _brute_force_hit(kv: HybridKVCacheManager, req: Request) -> int:
+    """The longest k blocks such that every group holds, cached, each block
+    a query at position k * BS reads (its last window - 1 tokens and before)."""
+    hashes = kv.hasher.update(req)
+    max_k = min(len(hashes), (req.num_tokens - 1) // BS)
+    cached = kv.block_pool.cached
+    for k in range(max_k, 0, -1):
+        ok = True
+        for g, w in enumerate(kv.windows):
+            first_pos = 0 if w == 0 else max(0, k * BS - w + 1)
+            for i in range(first_pos // BS, k):
+                key = hashes[i] if g == 0 else hashes[i] + bytes((g,))
+                ok &= key in cached
+        if ok:
+            return k * BS
+    return 0
+
+
+def test_prefix_hit_is_what_every_group_can_serve_by_brute_force():
+    rng = random.Random(0)
+    for trial in range(40):
+        windows = rng.choice([(0, 5), (0, 9), (7,), (0, 6, 13)])
+        kv = HybridKVCacheManager(rng.randint(12, 40), BS, windows)
+        base = [rng.randrange(50) for _ in range(40)]
+        for i in range(rng.randint(1, 6)):
+            cut = rng.randint(0, 40)
+            prompt = base[:cut] + [rng.randrange(50) for _ in range(rng.randint(1, 12))]
+            req = _request(f"r{trial}-{i}", prompt)
+            hits, num_cached = kv.get_computed_blocks(req)
+            assert num_cached == _brute_force_hit(kv, req), (trial, i, windows)
+            for g, table in enumerate(hits.tables if hits else ()):
+                assert len(table) * BS == num_cached
+            n = req.num_tokens - num_cached
+            if kv.allocate_slots(req, n, hits, num_cached) is None:
+                continue
+            req.num_computed_tokens = req.num_tokens
+            # Advance a few tokens (sliding groups free blocks), then finish.
+            for _ in range(rng.randint(0, 6)):
+                req.append_output_token_ids([rng.randrange(50)])
+                if kv.allocate_slots(req, 1) is None:
+                    break
+                req.num_computed_tokens += 1
+            kv.block_pool.check_invariants()
+            kv.free(req)
+        kv.block_pool.check_invariants()
+        assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_usable
+
+
+def test_hit_tables_null_what_the_window_cannot_see():
+    kv = HybridKVCacheManager(40, BS, (0, 5))
+    prompt = list(range(30))
+    first = _request("a", prompt)
+    kv.allocate_slots(first, 30)
+    first.num_computed_tokens = 30
+    kv.free(first)
+    second = _request("b", prompt + [1, 2])
+    hits, num_cached = kv.get_computed_blocks(second)
+    assert num_cached == 28
+    full, sliding = hits.tables
+    assert 0 not in [b.block_id for b in full]
+    # A query at position 28 reads keys 24..28: blocks 6 (and the new one).
+    assert [b.block_id == 0 for b in sliding] == [True] * 6 + [False]
+
+
+def test_kv_events_name_the_first_groups_blocks_by_their_hash():
+    stored, removed = [], []
+    kv = make_kv_cache_manager(
+        CacheConfig(block_size=BS, num_blocks=9, kv_group_windows=(0, 5)),
+        on_store=lambda h, parent, tokens: stored.append(h),
+        on_evict=lambda block: removed.append(block.block_hash),
+    )
+    first = _request("a", list(range(12)))
+    kv.allocate_slots(first, 12)
+    first.num_computed_tokens = 12
+    kv.free(first)
+    assert stored == kv.hasher.update(first)  # 3 full blocks, the first group's
+    other = _request("b", list(range(100, 116)))  # 4 blocks per group: evicts all 6 cached
+    assert kv.allocate_slots(other, 16) is not None
+    assert sorted(removed) == sorted(kv.hasher.update(first))
