@@ -16,6 +16,7 @@ from tokenbudget.core.pooling_params import PoolerConfig, PoolingParams
 from tokenbudget.core.request import MultiModalFeature, Request, RequestStatus
 from tokenbudget.core.sampling_params import SamplingParams, StructuredOutputParams
 from tokenbudget.core.failures import DuplicateRequestError, QueueFullError
+from tokenbudget.core.lora import LoRAConfig, LoRARequest
 from tokenbudget.core.sched.scheduler import Scheduler
 from tokenbudget.core.sched.stats import SchedulerStats
 
@@ -28,6 +29,8 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheManager",
     "KVCacheSpec",
+    "LoRAConfig",
+    "LoRARequest",
     "ModelRunnerOutput",
     "MultiModalFeature",
     "NewRequestData",

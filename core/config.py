@@ -339,6 +339,10 @@ class CacheConfig:
         "all cleared) on the SubscribeKvEvents stream (default off)",
         group=KV_CACHE,
     )
+    # Not a setting: the attention window of each KV cache group of the model
+    # (0: full attention), as the workers report it (KVCacheSpec); () is one
+    # full-attention group. See core/kv/groups.py.
+    kv_group_windows: tuple[int, ...] = field(default=(), metadata={"derived": True})
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbudget.core.failures import RequestFailure
+from tokenbudget.core.lora import LoRARequest
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.core.sampling_params import SamplingParams
@@ -22,6 +23,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeature]
     sampling_params: SamplingParams
+    # With G KV cache groups (core/kv/groups.py), block j of group g sits at
+    # j * G + g (here and in CachedRequestData.new_block_ids); G = 1: the table.
     block_ids: list[int]
     num_computed_tokens: int
     lora_id: int | None = None
@@ -29,6 +32,8 @@ class NewRequestData:
     eos_token_id: int | None = None
     # Set for a pooling request (resolved): pool its prompt, sample nothing.
     pooling_params: PoolingParams | None = None
+    # Its LoRA adapter (lora_id is its lora_int_id), or None for the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -132,6 +137,8 @@ class KVCacheSpec:
 
     num_blocks: int  # device blocks, block 0 (the null block) included
     num_offload_blocks: int = 0  # host KV tier slots (0: no host tier)
+    # Attention window of each KV cache group (0: full); () is one full group.
+    kv_group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_offload_blocks"):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenbudget.core.lora import LoRARequest
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class Request:
         "mm_features",
         "cache_salt",
         "lora_id",
+        "lora_request",
         "status",
         "num_computed_tokens",
         "output_token_ids",
@@ -123,6 +125,7 @@ class Request:
         ttft_ms: float | None = None,
         tpot_ms: float | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         sampling_params = _checked_params(
             request_id, prompt_token_ids, sampling_params, pooling_params, ttft_ms, tpot_ms
@@ -135,7 +138,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
         self.cache_salt = cache_salt
-        self.lora_id = lora_id
+        # The adapter (core/lora.py) whose id keys its blocks and its step slot.
+        self.lora_request = lora_request
+        self.lora_id = lora_id if lora_request is None else lora_request.lora_int_id
         self.tenant = tenant
         self.ttft_ms = ttft_ms
         self.tpot_ms = tpot_ms

@@ -8,12 +8,17 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 # Deepest nesting of objects and arrays in a JSON schema document. xgrammar's
 # time grows about with the cube of it: 200 levels took 11 s (on the request
 # path, to parse), 64 take 0.06 s; real schemas nest a handful of levels.
 MAX_JSON_SCHEMA_DEPTH = 64
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_ESCAPE = re.compile(r"\\.", re.DOTALL)
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
 
 
 @dataclass(slots=True)
@@ -84,17 +89,33 @@ def _json_depth(value: str | dict) -> int:
     """The deepest nesting of objects and arrays, without recursion (a deep
     document must not overflow the stack)."""
     if isinstance(value, str):
-        depth = deepest = 0
-        for bracket in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", value)):
-            depth += 1 if bracket in "[{" else -1
-            deepest = max(deepest, depth)
-        return deepest
+        return _text_depth(_JSON_ESCAPE.sub("", value).encode("utf-8", "surrogatepass"))
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, depth = stack.pop()
         deepest = max(deepest, depth)
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _text_depth(text: bytes, chunk: int = 1 << 20) -> int:
+    """The deepest bracket nesting outside strings of JSON text without
+    escapes, in numpy over 1 MiB pieces: linear, in C and in little memory
+    even for the largest message (this runs before any size limit). A byte
+    is inside a string when an odd number of quotes precede it (parity
+    survives uint8 wrap-around); UTF-8 multi-byte characters hold no bracket."""
+    raw = np.frombuffer(text, np.uint8)
+    quotes = depth = deepest = 0
+    for lo in range(0, raw.size, chunk):
+        piece = raw[lo : lo + chunk]
+        inside = (np.cumsum(piece == ord('"'), dtype=np.uint8) + quotes) & 1
+        quotes = int(inside[-1])
+        steps = _BRACKET_STEP[piece][inside == 0]
+        steps = steps[steps != 0]
+        if steps.size:
+            levels = np.cumsum(steps, dtype=np.int64) + depth
+            deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
     return deepest
 
 
@@ -283,8 +304,15 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
         )
     out: dict[int, float] = {}
     for key, bias in value.items():
-        # OpenAI clients send JSON, whose object keys are strings.
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        # OpenAI clients send JSON, whose object keys are strings: plain ASCII
+        # digits only ('²' is a digit to str.isdigit, not to int()), and few of
+        # them (int() of thousands of digits is refused, and slow).
+        if isinstance(key, str):
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                shown = repr(key[:20]) + ("..." if len(key) > 20 else "")
+                raise ValueError(f"logit_bias key must be a token id (digits 0-9), got {shown}")
+            key = int(key)
+        token = key
         _check_int("logit_bias key", token, minimum=0)
         _check_number(f"logit_bias[{token}]", bias, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
         out[token] = float(bias)

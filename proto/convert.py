@@ -249,16 +249,26 @@ def configs_to_proto(
 
 
 def configs_from_proto(msg: worker_pb2.InitializeRequest) -> tuple[CacheConfig, SchedulerConfig]:
+    """Raises ValueError naming the message's field (``cache_config.block_size ...``)."""
     cc = msg.cache_config
-    cache = CacheConfig(
-        **{n: getattr(cc, n) for n in _CACHE_FIELDS},
-        **{n: getattr(cc, n) if cc.HasField(n) else None for n in _CACHE_OPTIONAL},
-    )
+    try:
+        cache = CacheConfig(
+            **{n: getattr(cc, n) for n in _CACHE_FIELDS},
+            **{n: getattr(cc, n) if cc.HasField(n) else None for n in _CACHE_OPTIONAL},
+        )
+    except ValueError as exc:
+        raise ValueError(f"cache_config.{exc}") from None
     sc = msg.scheduler_config
-    spec = None
-    if sc.HasField("speculative_config"):
-        spec = SpeculativeConfig(**{n: getattr(sc.speculative_config, n) for n in _SPEC_FIELDS})
-    sched = SchedulerConfig(**{n: getattr(sc, n) for n in _SCHED_FIELDS}, speculative_config=spec)
+    try:
+        spec = None
+        if sc.HasField("speculative_config"):
+            fields = {n: getattr(sc.speculative_config, n) for n in _SPEC_FIELDS}
+            spec = SpeculativeConfig(**fields)
+        sched = SchedulerConfig(
+            **{n: getattr(sc, n) for n in _SCHED_FIELDS}, speculative_config=spec
+        )
+    except ValueError as exc:
+        raise ValueError(f"scheduler_config.{exc}") from None
     return cache, sched
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenbudget.proto import common_pb2 as tokenbudget_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenbudget/v1/generate.proto\x12\x0etokenbudget.v1\x1a\x1btokenbudget/v1/common.proto\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"I\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12,\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1b.tokenbudget.v1.ContentPart\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.tokenbudget.v1.ChatMessage\"\x96\x03\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.tokenbudget.v1.ChatMessagesH\x00\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.tokenbudget.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x13\n\x06tenant\x18\t \x01(\tH\x03\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\n \x01(\x01H\x04\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x0b \x01(\x01H\x05\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\r\n\x0b_cache_saltB\t\n\x07_tenantB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.tokenbudget.v1.Usage\x12/\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xf0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12is_vision_language\x18\x06 \x01(\x08\x12\x0f\n\x07is_demo\x18\x07 \x01(\x08\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x13\n\x0bnum_workers\x18\x0b \x01(\x05\"\x11\n\x0fGetStatsRequest\"\xfe\x04\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1b\n\x13\x65ncoder_cache_usage\x18\n \x01(\x01\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x03\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\r \x01(\x03\x12\x1d\n\x15spec_num_draft_tokens\x18\x0e \x01(\x03\x12 \n\x18spec_num_accepted_tokens\x18\x0f \x01(\x03\x12!\n\x19spec_mean_accepted_length\x18\x10 \x01(\x01\x12\"\n\x1aspec_accepted_per_position\x18\x11 \x03(\x03\x12\x1a\n\x12num_offload_blocks\x18\x12 \x01(\x05\x12\x1b\n\x13offload_blocks_used\x18\x13 \x01(\x05\x12\x1c\n\x14num_swapped_requests\x18\x14 \x01(\x05\x12\x1d\n\x15num_recomputed_tokens\x18\x15 \x01(\x03\x12\x1a\n\x12kv_swap_out_blocks\x18\x16 \x01(\x03\x12\x19\n\x11kv_swap_in_blocks\x18\x17 \x01(\x03\"/\n\x18SubscribeKvEventsRequest\x12\x13\n\x0bmax_pending\x18\x01 \x01(\x05\"Y\n\rKvBlockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\"2\n\x0eKvBlockRemoved\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0c\n\x04tier\x18\x02 \x01(\t\"\x0e\n\x0cKvAllCleared\"\xaa\x01\n\x07KvEvent\x12/\n\x06stored\x18\x01 \x01(\x0b\x32\x1d.tokenbudget.v1.KvBlockStoredH\x00\x12\x31\n\x07removed\x18\x02 \x01(\x0b\x32\x1e.tokenbudget.v1.KvBlockRemovedH\x00\x12\x33\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1c.tokenbudget.v1.KvAllClearedH\x00\x42\x06\n\x04kind\"k\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.tokenbudget.v1.KvEvent\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x13\n\x0bnum_dropped\x18\x04 \x01(\x04\"\x8f\x02\n\x0c\x45mbedRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIdsH\x00\x12\x35\n\x0epooling_params\x18\x04 \x01(\x0b\x32\x1d.tokenbudget.v1.PoolingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x06tenant\x18\x07 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\r\n\x0b_cache_saltB\t\n\x07_tenant\"\x85\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.tokenbudget.v1.Usage\x12\x14\n\x0cpooling_type\x18\x04 \x01(\t\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x32\xdc\x03\n\nGeneration\x12O\n\x08Generate\x12\x1f.tokenbudget.v1.GenerateRequest\x1a .tokenbudget.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tokenbudget.v1.AbortRequest\x1a\x1d.tokenbudget.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.tokenbudget.v1.GetModelInfoRequest\x1a\x19.tokenbudget.v1.ModelInfo\x12\x42\n\x08GetStats\x12\x1f.tokenbudget.v1.GetStatsRequest\x1a\x15.tokenbudget.v1.Stats\x12\x44\n\x05\x45mbed\x12\x1c.tokenbudget.v1.EmbedRequest\x1a\x1d.tokenbudget.v1.EmbedResponse\x12]\n\x11SubscribeKvEvents\x12(.tokenbudget.v1.SubscribeKvEventsRequest\x1a\x1c.tokenbudget.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenbudget/v1/generate.proto\x12\x0etokenbudget.v1\x1a\x1btokenbudget/v1/common.proto\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"I\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12,\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1b.tokenbudget.v1.ContentPart\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.tokenbudget.v1.ChatMessage\"\xbc\x03\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.tokenbudget.v1.ChatMessagesH\x00\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.tokenbudget.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x13\n\x06tenant\x18\t \x01(\tH\x03\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\n \x01(\x01H\x04\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x16\n\tlora_name\x18\x0c \x01(\tH\x06\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\r\n\x0b_cache_saltB\t\n\x07_tenantB\n\n\x08_ttft_msB\n\n\x08_tpot_msB\x0c\n\n_lora_name\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.tokenbudget.v1.Usage\x12/\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.tokenbudget.v1.TokenLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xa4\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12is_vision_language\x18\x06 \x01(\x08\x12\x0f\n\x07is_demo\x18\x07 \x01(\x08\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x13\n\x0bnum_workers\x18\x0b \x01(\x05\x12\x32\n\rlora_adapters\x18\x0c \x03(\x0b\x32\x1b.tokenbudget.v1.LoRAAdapter\"\'\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x05\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\".\n\x17LoadLoRAAdapterResponse\x12\x13\n\x0blora_int_id\x18\x01 \x01(\x05\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\x11\n\x0fGetStatsRequest\"\xfe\x04\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1b\n\x13\x65ncoder_cache_usage\x18\n \x01(\x01\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x03\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\r \x01(\x03\x12\x1d\n\x15spec_num_draft_tokens\x18\x0e \x01(\x03\x12 \n\x18spec_num_accepted_tokens\x18\x0f \x01(\x03\x12!\n\x19spec_mean_accepted_length\x18\x10 \x01(\x01\x12\"\n\x1aspec_accepted_per_position\x18\x11 \x03(\x03\x12\x1a\n\x12num_offload_blocks\x18\x12 \x01(\x05\x12\x1b\n\x13offload_blocks_used\x18\x13 \x01(\x05\x12\x1c\n\x14num_swapped_requests\x18\x14 \x01(\x05\x12\x1d\n\x15num_recomputed_tokens\x18\x15 \x01(\x03\x12\x1a\n\x12kv_swap_out_blocks\x18\x16 \x01(\x03\x12\x19\n\x11kv_swap_in_blocks\x18\x17 \x01(\x03\"/\n\x18SubscribeKvEventsRequest\x12\x13\n\x0bmax_pending\x18\x01 \x01(\x05\"Y\n\rKvBlockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\"2\n\x0eKvBlockRemoved\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0c\n\x04tier\x18\x02 \x01(\t\"\x0e\n\x0cKvAllCleared\"\xaa\x01\n\x07KvEvent\x12/\n\x06stored\x18\x01 \x01(\x0b\x32\x1d.tokenbudget.v1.KvBlockStoredH\x00\x12\x31\n\x07removed\x18\x02 \x01(\x0b\x32\x1e.tokenbudget.v1.KvBlockRemovedH\x00\x12\x33\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1c.tokenbudget.v1.KvAllClearedH\x00\x42\x06\n\x04kind\"k\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.tokenbudget.v1.KvEvent\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x13\n\x0bnum_dropped\x18\x04 \x01(\x04\"\x8f\x02\n\x0c\x45mbedRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tokenbudget.v1.TokenIdsH\x00\x12\x35\n\x0epooling_params\x18\x04 \x01(\x0b\x32\x1d.tokenbudget.v1.PoolingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x06tenant\x18\x07 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\r\n\x0b_cache_saltB\t\n\x07_tenant\"\x85\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.tokenbudget.v1.Usage\x12\x14\n\x0cpooling_type\x18\x04 \x01(\t\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x32\xaa\x05\n\nGeneration\x12O\n\x08Generate\x12\x1f.tokenbudget.v1.GenerateRequest\x1a .tokenbudget.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tokenbudget.v1.AbortRequest\x1a\x1d.tokenbudget.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.tokenbudget.v1.GetModelInfoRequest\x1a\x19.tokenbudget.v1.ModelInfo\x12\x42\n\x08GetStats\x12\x1f.tokenbudget.v1.GetStatsRequest\x1a\x15.tokenbudget.v1.Stats\x12\x44\n\x05\x45mbed\x12\x1c.tokenbudget.v1.EmbedRequest\x1a\x1d.tokenbudget.v1.EmbedResponse\x12]\n\x11SubscribeKvEvents\x12(.tokenbudget.v1.SubscribeKvEventsRequest\x1a\x1c.tokenbudget.v1.KvEventBatch0\x01\x12\x62\n\x0fLoadLoRAAdapter\x12&.tokenbudget.v1.LoadLoRAAdapterRequest\x1a\'.tokenbudget.v1.LoadLoRAAdapterResponse\x12h\n\x11UnloadLoRAAdapter\x12(.tokenbudget.v1.UnloadLoRAAdapterRequest\x1a).tokenbudget.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,39 +39,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=209
   _globals['_CHATMESSAGES']._serialized_end=270
   _globals['_GENERATEREQUEST']._serialized_start=273
-  _globals['_GENERATEREQUEST']._serialized_end=679
-  _globals['_USAGE']._serialized_start=681
-  _globals['_USAGE']._serialized_end=761
-  _globals['_GENERATERESPONSE']._serialized_start=764
-  _globals['_GENERATERESPONSE']._serialized_end=1079
-  _globals['_ABORTREQUEST']._serialized_start=1081
-  _globals['_ABORTREQUEST']._serialized_end=1115
-  _globals['_ABORTRESPONSE']._serialized_start=1117
-  _globals['_ABORTRESPONSE']._serialized_end=1132
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1134
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1155
-  _globals['_MODELINFO']._serialized_start=1158
-  _globals['_MODELINFO']._serialized_end=1398
-  _globals['_GETSTATSREQUEST']._serialized_start=1400
-  _globals['_GETSTATSREQUEST']._serialized_end=1417
-  _globals['_STATS']._serialized_start=1420
-  _globals['_STATS']._serialized_end=2058
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=2060
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=2107
-  _globals['_KVBLOCKSTORED']._serialized_start=2109
-  _globals['_KVBLOCKSTORED']._serialized_end=2198
-  _globals['_KVBLOCKREMOVED']._serialized_start=2200
-  _globals['_KVBLOCKREMOVED']._serialized_end=2250
-  _globals['_KVALLCLEARED']._serialized_start=2252
-  _globals['_KVALLCLEARED']._serialized_end=2266
-  _globals['_KVEVENT']._serialized_start=2269
-  _globals['_KVEVENT']._serialized_end=2439
-  _globals['_KVEVENTBATCH']._serialized_start=2441
-  _globals['_KVEVENTBATCH']._serialized_end=2548
-  _globals['_EMBEDREQUEST']._serialized_start=2551
-  _globals['_EMBEDREQUEST']._serialized_end=2822
-  _globals['_EMBEDRESPONSE']._serialized_start=2825
-  _globals['_EMBEDRESPONSE']._serialized_end=2958
-  _globals['_GENERATION']._serialized_start=2961
-  _globals['_GENERATION']._serialized_end=3437
+  _globals['_GENERATEREQUEST']._serialized_end=717
+  _globals['_USAGE']._serialized_start=719
+  _globals['_USAGE']._serialized_end=799
+  _globals['_GENERATERESPONSE']._serialized_start=802
+  _globals['_GENERATERESPONSE']._serialized_end=1117
+  _globals['_ABORTREQUEST']._serialized_start=1119
+  _globals['_ABORTREQUEST']._serialized_end=1153
+  _globals['_ABORTRESPONSE']._serialized_start=1155
+  _globals['_ABORTRESPONSE']._serialized_end=1170
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1172
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1193
+  _globals['_MODELINFO']._serialized_start=1196
+  _globals['_MODELINFO']._serialized_end=1488
+  _globals['_LORAADAPTER']._serialized_start=1490
+  _globals['_LORAADAPTER']._serialized_end=1529
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1531
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1593
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1595
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1641
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1643
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1688
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1690
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1717
+  _globals['_GETSTATSREQUEST']._serialized_start=1719
+  _globals['_GETSTATSREQUEST']._serialized_end=1736
+  _globals['_STATS']._serialized_start=1739
+  _globals['_STATS']._serialized_end=2377
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=2379
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=2426
+  _globals['_KVBLOCKSTORED']._serialized_start=2428
+  _globals['_KVBLOCKSTORED']._serialized_end=2517
+  _globals['_KVBLOCKREMOVED']._serialized_start=2519
+  _globals['_KVBLOCKREMOVED']._serialized_end=2569
+  _globals['_KVALLCLEARED']._serialized_start=2571
+  _globals['_KVALLCLEARED']._serialized_end=2585
+  _globals['_KVEVENT']._serialized_start=2588
+  _globals['_KVEVENT']._serialized_end=2758
+  _globals['_KVEVENTBATCH']._serialized_start=2760
+  _globals['_KVEVENTBATCH']._serialized_end=2867
+  _globals['_EMBEDREQUEST']._serialized_start=2870
+  _globals['_EMBEDREQUEST']._serialized_end=3141
+  _globals['_EMBEDRESPONSE']._serialized_start=3144
+  _globals['_EMBEDRESPONSE']._serialized_end=3277
+  _globals['_GENERATION']._serialized_start=3280
+  _globals['_GENERATION']._serialized_end=3962
 # @@protoc_insertion_point(module_scope)

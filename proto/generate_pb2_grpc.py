@@ -64,6 +64,16 @@ class GenerationStub:
                 request_serializer=tokenbudget_dot_v1_dot_generate__pb2.SubscribeKvEventsRequest.SerializeToString,
                 response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tokenbudget.v1.Generation/LoadLoRAAdapter',
+                request_serializer=tokenbudget_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tokenbudget.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=tokenbudget_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tokenbudget_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -111,6 +121,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters served by name at run time (the server needs --enable-lora),
+        as vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter. Requests
+        already running under an unloaded adapter finish under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +168,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.SubscribeKvEventsRequest.FromString,
                     response_serializer=tokenbudget_dot_v1_dot_generate__pb2.KvEventBatch.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=tokenbudget_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=tokenbudget_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=tokenbudget_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +342,60 @@ class Generation:
             '/tokenbudget.v1.Generation/SubscribeKvEvents',
             tokenbudget_dot_v1_dot_generate__pb2.SubscribeKvEventsRequest.SerializeToString,
             tokenbudget_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenbudget.v1.Generation/LoadLoRAAdapter',
+            tokenbudget_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            tokenbudget_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenbudget.v1.Generation/UnloadLoRAAdapter',
+            tokenbudget_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            tokenbudget_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

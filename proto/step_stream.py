@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter
 
+from tokenbudget.core.lora import LoRARequest
 from tokenbudget.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.proto import worker_pb2
@@ -375,6 +376,11 @@ class SchedulerOutputDecoder:
             block_ids=_i32_list(m.block_ids),
             num_computed_tokens=m.num_computed_tokens,
             lora_id=m.lora_id if m.HasField("lora_id") else None,
+            lora_request=(
+                LoRARequest(m.lora_name, m.lora_id, m.lora_path)
+                if m.HasField("lora_name")
+                else None
+            ),
             eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None,
             pooling_params=(
                 pooling_params_from_proto(m.pooling_params)
@@ -396,6 +402,8 @@ def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewReq
     out.num_computed_tokens = r.num_computed_tokens
     if r.lora_id is not None:
         out.lora_id = r.lora_id
+    if r.lora_request is not None:
+        out.lora_name, out.lora_path = r.lora_request.lora_name, r.lora_request.lora_path
     if r.eos_token_id is not None:
         out.eos_token_id = r.eos_token_id
     if r.pooling_params is not None:

@@ -66,28 +66,32 @@ class SchedulerConfig(_message.Message):
     def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., policy: _Optional[str] = ..., encoder_compute_budget: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., speculative_config: _Optional[_Union[SpeculativeConfig, _Mapping]] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("model", "dtype", "device", "attention_backend", "cache_config", "scheduler_config")
+    __slots__ = ("model", "dtype", "device", "attention_backend", "cache_config", "scheduler_config", "enforce_eager")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
     attention_backend: str
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ...) -> None: ...
+    enforce_eager: bool
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., enforce_eager: _Optional[bool] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_offload_blocks")
+    __slots__ = ("num_blocks", "num_offload_blocks", "kv_group_windows")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_offload_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("mm_hash", "offset", "length", "data")
@@ -102,7 +106,7 @@ class MultiModalFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[_Union[_common_pb2.Value, _Mapping]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id", "eos_token_id", "pooling_params")
+    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id", "eos_token_id", "pooling_params", "lora_name", "lora_path")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,8 @@ class NewRequest(_message.Message):
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POOLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     handle: int
     prompt_token_ids: bytes
@@ -123,7 +129,9 @@ class NewRequest(_message.Message):
     lora_id: int
     eos_token_id: int
     pooling_params: _common_pb2.PoolingParams
-    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    lora_path: str
+    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class RaggedIds(_message.Message):
     __slots__ = ("num_lists", "flat", "counts", "sparse", "rows")

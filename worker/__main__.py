@@ -75,7 +75,12 @@ FLAGS: list[Flag] = [
     (
         None,
         ("--threads",),
-        dict(type=int, default=1, help="torch intra-op threads (default %(default)s)"),
+        dict(
+            type=int,
+            default=0,
+            help="torch intra-op threads (default 0: one per CPU this process may run on, "
+            "os.sched_getaffinity)",
+        ),
     ),
     (
         None,
@@ -181,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     from tokenbudget.proto.rpc.ports import BindError
     from tokenbudget.worker.grpc_worker import serve
 
-    torch.set_num_threads(args.threads)
+    from tokenbudget.core.utils.cpus import available_cpus
+
+    torch.set_num_threads(args.threads or available_cpus())
     if args.world_size > 1 or args.dist_init:
         if args.dist_init is None or not 0 <= args.rank < args.world_size:
             sys.exit(

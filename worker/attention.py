@@ -100,6 +100,10 @@ class PagedAttentionMetadata:
     prefills: tuple[PrefillSeq, ...] = ()
     # flash_attn with small blocks: every request's context slots, packed.
     packed_kv_slots: torch.Tensor | None = None
+    # Each query sees its last ``window`` positions (itself included); 0: all.
+    window: int = 0
+    # With KV cache groups (worker/kv_groups.py): the metadata of each layer's group.
+    by_layer: list[PagedAttentionMetadata] | None = None
 
 
 def build_metadata(
@@ -111,8 +115,10 @@ def build_metadata(
     block_tables: np.ndarray,
     slot_mapping: np.ndarray,
     device: torch.device,
+    window: int = 0,
 ) -> PagedAttentionMetadata:
-    """Host-side, vectorised: ``block_tables`` holds one row per scheduled request."""
+    """Host-side, vectorised: ``block_tables`` holds one row per scheduled request
+    (``window``: the attention window of the layers reading it, 0: full)."""
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start[1:])
     seq_start = np.zeros(len(seq_lens) + 1, dtype=np.int32)
@@ -134,6 +140,7 @@ def build_metadata(
         block_tables=to_dev(block_tables, torch.int32),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        window=window,
     )
     if backend == "flash_attn":
         if block_size % _FLASH_PAGE_MULTIPLE:
@@ -141,8 +148,10 @@ def build_metadata(
                 _context_slots(block_tables, seq_lens, block_size), torch.long
             )
         return meta
+    if backend in _PAGED_KERNEL_MODULES:  # in-place kernels need only the tensors above
+        return meta
     meta.decodes, meta.prefills = _sdpa_plan(
-        query_lens, query_start, seq_lens, block_tables, block_size, device, to_dev
+        query_lens, query_start, seq_lens, block_tables, block_size, device, to_dev, window
     )
     return meta
 
@@ -155,6 +164,7 @@ def _sdpa_plan(
     block_size: int,
     device: torch.device,
     to_dev,
+    window: int = 0,
 ) -> tuple[tuple[DecodeGroup, ...], tuple[PrefillSeq, ...]]:
     """sdpa's (decodes, prefills): PagedAttentionMetadata's fields of that name."""
     # Reads gather whole blocks (index_select over contiguous block rows), far
@@ -168,7 +178,9 @@ def _sdpa_plan(
     num_groups = min(_MAX_DECODE_GROUPS, -(-len(decode_idx) // _MIN_DECODE_GROUP))
     decodes = (
         tuple(
-            _decode_group(idx, query_start, seq_lens, num_blocks, block_tables, block_size, to_dev)
+            _decode_group(
+                idx, query_start, seq_lens, num_blocks, block_tables, block_size, to_dev, window
+            )
             for idx in np.array_split(decode_idx, num_groups)
             if len(idx)
         )
@@ -179,9 +191,12 @@ def _sdpa_plan(
     for i in np.flatnonzero(~is_decode):
         q, L = int(query_lens[i]), int(seq_lens[i])
         mask = None
-        if q != L:
-            # Query j sits at absolute position L - q + j and sees keys 0..L-q+j.
+        if q != L or (window and window < L):
+            # Query j sits at absolute position L - q + j and sees keys 0..L-q+j
+            # (the last ``window`` of them with a window).
             mask = torch.ones(q, L, dtype=torch.bool, device=device).tril(L - q)
+            if window:
+                mask &= ~torch.ones_like(mask).tril(L - q - window)
         prefills.append(
             PrefillSeq(
                 int(query_start[i]),
@@ -202,9 +217,13 @@ def _decode_group(
     block_tables: np.ndarray,
     block_size: int,
     to_dev,
+    window: int = 0,
 ) -> DecodeGroup:
     max_blocks = int(num_blocks[idx].max())
-    valid = np.arange(max_blocks * block_size)[None, :] < seq_lens[idx, None]
+    pos = np.arange(max_blocks * block_size)[None, :]
+    valid = pos < seq_lens[idx, None]
+    if window:
+        valid &= pos >= seq_lens[idx, None] - window
     return DecodeGroup(
         to_dev(query_start[idx], torch.long),
         to_dev(block_tables[idx, :max_blocks], torch.long),
@@ -237,20 +256,18 @@ def paged_attention_forward(
             f"{PAGED_ATTENTION} attention needs the 'paged_attn' forward kwarg; "
             "run this model through tokenbudget's ModelRunner"
         )
-    meta = paged_attn
-    window = kwargs.get("sliding_window")
-    # Within its window a sliding-window layer attends to everything, which is
-    # what we compute; the front caps max_model_len at the window (loader.sliding_window).
-    if window and meta.max_seq_len > window:
+    meta = paged_attn if paged_attn.by_layer is None else paged_attn.by_layer[module.layer_idx]
+    window = kwargs.get("sliding_window") or 0
+    # The window is the layer's KV group's (worker/kv_groups.py), masked by its
+    # metadata; only the profile run (one plain metadata) reads without it.
+    if window and meta.window and window != meta.window:
         raise NotImplementedError(
-            f"a sequence of {meta.max_seq_len} tokens exceeds the "
-            f"model's sliding window ({window}); set max_model_len <= "
-            f"{window}"
+            f"layer {module.layer_idx} has a sliding window of {window} tokens that its "
+            f"KV cache group does not know ({meta.window or 'full attention'})"
         )
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "attention soft-capping and attention sinks are not supported by the paged backend"
-        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks are not supported by the paged backend")
+    softcap = kwargs.get("softcap") or None
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
@@ -260,9 +277,14 @@ def paged_attention_forward(
     flat[0].index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
     flat[1].index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
     if meta.backend == "sdpa":
-        out = _sdpa_attention(q, cache, meta, scaling)
+        out = _sdpa_attention(q, cache, meta, scaling, softcap)
     elif meta.backend == "flash_attn":
         out = _flash_attention(q, cache, flat, meta, scaling)
+    elif meta.window or softcap:
+        kernel = paged_kernel(meta.backend)
+        out = kernel(
+            q, cache[0], cache[1], meta, scaling, sliding_window=meta.window, softcap=softcap
+        )
     else:
         out = paged_kernel(meta.backend)(q, cache[0], cache[1], meta, scaling)
     return out.unsqueeze(0), None
@@ -273,7 +295,10 @@ def paged_attention_forward(
 # meta: PagedAttentionMetadata, scale: float | None) -> out [T, H, D]``: they
 # read meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len
 # and meta.max_seq_len, causal with the query's end aligned to the context's end.
-_PAGED_KERNEL_MODULES: dict[str, str] = {}
+_PAGED_KERNEL_MODULES: dict[str, str] = {
+    "triton": "tokenbudget.worker.attention_triton",
+    "cpu": "tokenbudget.worker.attention_cpu",
+}
 
 
 def paged_kernel(backend: str):
@@ -283,8 +308,30 @@ def paged_kernel(backend: str):
     return importlib.import_module(_PAGED_KERNEL_MODULES[backend]).paged_attention
 
 
+def _attend(q, k, v, mask, scale, softcap, is_causal=False) -> torch.Tensor:
+    """SDPA over [B, H, q, D] x [B, Hkv, k, D]; with a soft-cap, the scores
+    become ``c * tanh(s / c)`` before the mask and softmax (Gemma-2)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=True
+        )
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+
+
 def _sdpa_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float | None
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The reference backend: gather each request's blocks, then torch SDPA."""
     k_cache, v_cache = cache[0], cache[1]  # [num_blocks, block_size, Hkv, D]
@@ -296,27 +343,20 @@ def _sdpa_attention(
         kd = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
         vd = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
         qd = q.index_select(0, d.query_idx).unsqueeze(2)  # [Bd, H, 1, D]
-        res = F.scaled_dot_product_attention(
-            qd,
-            kd.transpose(1, 2),
-            vd.transpose(1, 2),
-            attn_mask=d.kv_mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        res = _attend(qd, kd.transpose(1, 2), vd.transpose(1, 2), d.kv_mask, scale, softcap)
         out.index_copy_(0, d.query_idx, res.squeeze(2))
     for p in meta.prefills:
         kp = k_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[: p.seq_len]
         vp = v_cache.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[: p.seq_len]
         qp = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        res = F.scaled_dot_product_attention(
+        res = _attend(
             qp,
             kp.transpose(0, 1).unsqueeze(0),
             vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=p.mask,
-            scale=scale,
+            p.mask,
+            scale,
+            softcap,
             is_causal=p.mask is None,
-            enable_gqa=True,
         )
         out[p.q_start : p.q_end] = res[0].transpose(0, 1)
     return out

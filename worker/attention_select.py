@@ -1,5 +1,6 @@
 """Which paged-attention backend runs: ``resolve_backend`` and the checks it
-makes (flash-attn present, working, and reading pages in place)."""
+makes (flash-attn present, working, and reading pages in place; triton
+importable and on a device it can run on)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tokenbudget.worker.attention import _FLASH_PAGE_MULTIPLE
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sdpa", "flash_attn")
+BACKENDS = ("auto", "sdpa", "flash_attn", "triton", "cpu")
 
 
 def flash_attn_available() -> bool:
@@ -51,6 +52,27 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def triton_problem(device: torch.device) -> str | None:
+    """Why the triton backend cannot run on ``device``, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except Exception as exc:  # a triton built for another torch or Python
+        return f"triton does not import ({type(exc).__name__}: {exc})"
+    if device.type == "cuda":
+        return None
+    # TRITON_INTERPRET=1 is triton's own switch, read when a kernel is
+    # wrapped; its CPU interpreter is for tests (slow, but exact).
+    if device.type == "cpu" and triton.knobs.runtime.interpret:
+        return None
+    return (
+        f"triton kernels run on CUDA devices, not {device.type} (on CPU only in "
+        "triton's interpreter, with TRITON_INTERPRET=1, for tests)"
+    )
+
+
 def flash_block_size_warning(backend: str, block_size: int) -> str | None:
     """Why flash-attn will copy KV at this block size, or None.
 
@@ -65,18 +87,58 @@ def flash_block_size_warning(backend: str, block_size: int) -> str | None:
         f"flash-attn reads the paged KV cache in place only with --block-size a multiple "
         f"of {_FLASH_PAGE_MULTIPLE}; with {block_size} each layer gathers every "
         f"request's context first. --block-size {_FLASH_PAGE_MULTIPLE} avoids the copy "
-        f"but caches prefixes only in {_FLASH_PAGE_MULTIPLE}-token blocks"
+        f"but caches prefixes only in {_FLASH_PAGE_MULTIPLE}-token blocks; "
+        "--attention-backend triton reads pages of any size in place"
     )
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention backend to run: ``auto`` picks flash-attn only on CUDA in
-    half precision when it imports and passes a tiny self-check
-    (flash_attn_problem), else SDPA with a warning saying why."""
+def resolve_backend(
+    name: str, device: torch.device, dtype: torch.dtype, *, block_size: int | None = None
+) -> str:
+    """The attention backend to run. ``auto`` on CUDA picks flash-attn in half
+    precision when it imports, passes a tiny self-check (flash_attn_problem)
+    and reads pages of ``block_size`` in place (a multiple of 256; None: not
+    known yet); else triton when it works there (triton_problem); else SDPA,
+    with a warning when flash-attn is broken. On CPU see _resolve_cpu."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "sdpa":
         return name
+    if name == "triton":
+        problem = triton_problem(device)
+        if problem:
+            raise ValueError(f"attention_backend='triton': {problem}; use 'sdpa' or 'auto'")
+        return name
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return _resolve_cpu(name, device, dtype)
+    if name == "auto" and device.type == "cuda":
+        flash = _resolve_flash("auto", device, dtype)
+        in_place = block_size is None or block_size % _FLASH_PAGE_MULTIPLE == 0
+        if (flash == "sdpa" or not in_place) and triton_problem(device) is None:
+            return "triton"
+        return flash
+    return _resolve_flash(name, device, dtype)
+
+
+def _resolve_cpu(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``cpu`` (our C++ kernel, worker/attention_cpu.py) when it builds and
+    passes its self-check; ``auto`` falls back to SDPA saying why."""
+    from tokenbudget.worker.attention_cpu import DTYPES, cpu_kernel_problem
+
+    if device.type != "cpu" or dtype not in DTYPES:
+        problem = f"it runs on CPU in float32 or bfloat16, not {device.type} {dtype}"
+    else:
+        problem = cpu_kernel_problem()
+    if problem is None:
+        return "cpu"
+    if name == "cpu":
+        raise ValueError(f"attention_backend='cpu': {problem}; use 'sdpa' or 'auto'")
+    logger.warning("attention: using SDPA, not the cpu kernel: %s", problem)
+    return "sdpa"
+
+
+def _resolve_flash(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """resolve_backend for ``flash_attn`` and ``auto`` without triton."""
     # flash-attn kernels exist only for CUDA and half precision.
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         if name == "auto":
@@ -97,5 +159,5 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         return "flash_attn"
     if name == "flash_attn":
         raise ValueError(f"attention_backend='flash_attn': {problem}; use 'sdpa' or 'auto'")
-    logger.warning("attention: using SDPA, not flash-attn: %s", problem)
+    logger.warning("attention: not using flash-attn: %s", problem)
     return "sdpa"

@@ -43,9 +43,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stop_event: threading.Event | None = None,
         *,
         gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
-        worker_factory: Callable[[str, str, str, str], Any] | None = None,
+        worker_factory: Callable[..., Any] | None = None,
     ) -> None:
-        """``worker_factory(model, dtype, device, attention_backend)`` builds the
+        """``worker_factory(model, dtype, device, attention_backend, *,
+        enforce_eager)`` builds the
         worker on Initialize (default: a Worker; tensor-parallel rank 0 passes
         one that drives its group)."""
         self.worker = None
@@ -62,7 +63,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._first_step: float | None = None
 
     def Initialize(self, request, context):
-        cache_config, scheduler_config = convert.configs_from_proto(request)
+        try:
+            cache_config, scheduler_config = convert.configs_from_proto(request)
+        except ValueError as exc:  # before anything is unloaded: the old model serves on
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         with self._lock, self._step_lock:
             self._generation += 1
             if self.worker is not None:
@@ -81,6 +85,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request.dtype or "auto",
                 request.device,
                 request.attention_backend or "auto",
+                enforce_eager=(
+                    request.enforce_eager if request.HasField("enforce_eager") else None
+                ),
             )
             spec = self.worker.initialize(cache_config, scheduler_config)
             policy = configure_gc(self._gc_threshold)
@@ -89,7 +96,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             "gc: froze %d objects after loading; thresholds %s", policy.frozen, policy.thresholds
         )
         return worker_pb2.InitializeResponse(
-            num_blocks=spec.num_blocks, num_offload_blocks=spec.num_offload_blocks
+            num_blocks=spec.num_blocks,
+            num_offload_blocks=spec.num_offload_blocks,
+            kv_group_windows=spec.kv_group_windows,
         )
 
     def ExecuteModel(self, request_iterator, context):
@@ -142,10 +151,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ShutdownResponse()
 
 
-def _local_worker(model: str, dtype: str, device: str, attention_backend: str):
+def _local_worker(
+    model: str, dtype: str, device: str, attention_backend: str, *, enforce_eager: bool | None
+):
     from tokenbudget.worker.worker import Worker
 
-    return Worker(model, dtype=dtype, device=device or None, attention_backend=attention_backend)
+    return Worker(
+        model,
+        dtype=dtype,
+        device=device or None,
+        attention_backend=attention_backend,
+        enforce_eager=enforce_eager,
+    )
 
 
 def _decode_into(request_iterator, inbox: queue.SimpleQueue) -> None:
@@ -171,7 +188,7 @@ def serve(
     max_message_size: int = 256 << 20,
     gc_threshold: int = DEFAULT_GEN0_THRESHOLD,
     secret: str | None = None,
-    worker_factory: Callable[[str, str, str, str], Any] | None = None,
+    worker_factory: Callable[..., Any] | None = None,
     stop_event: threading.Event | None = None,
 ) -> tuple[grpc.Server, int, threading.Event]:
     """Start a worker server; returns (server, bound port, stop event).

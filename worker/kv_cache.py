@@ -50,9 +50,12 @@ def num_kv_blocks(
     per_block: int,
     device: torch.device,
     profile_free_memory: Callable[[], int],
+    blocks_per_seq: int | None = None,
 ) -> int:
     """This rank's blocks (block 0 included) of ``per_block`` bytes each;
-    ``profile_free_memory()`` gives the GPU bytes left for KV."""
+    ``profile_free_memory()`` gives the GPU bytes left for KV; ``blocks_per_seq``:
+    the blocks of one sequence at full length (default: blocks_per_request;
+    with KV cache groups, the sum over groups, worker/kv_groups.py)."""
     if cache_config.num_blocks is not None:
         return cache_config.num_blocks
     if cache_config.kv_cache_memory_bytes is not None:
@@ -61,11 +64,9 @@ def num_kv_blocks(
         budget = profile_free_memory()
     else:
         # Never more than every sequence at full length needs.
-        need = (
-            scheduler_config.max_num_seqs
-            * blocks_per_request(scheduler_config, cache_config.block_size)
-            + 1
-        )
+        if blocks_per_seq is None:
+            blocks_per_seq = blocks_per_request(scheduler_config, cache_config.block_size)
+        need = scheduler_config.max_num_seqs * blocks_per_seq + 1
         budget = min(_DEFAULT_CPU_KV_BYTES, need * per_block)
     return budget // per_block
 

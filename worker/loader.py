@@ -71,11 +71,13 @@ def load_model(
     auto_cls = (
         AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
     )
+    # transformers refuses sdpa for soft-capped models (Gemma-2); the decoder is paged anyway.
+    softcap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
     net = load_or_explain(
         lambda: auto_cls.from_pretrained(
             model,
             dtype=resolve_dtype(dtype, config, device),
-            attn_implementation="sdpa",
+            attn_implementation="eager" if softcap else "sdpa",
             trust_remote_code=trust_remote_code,
             revision=revision,
         ),
@@ -102,26 +104,11 @@ def decoder_kv_shape(text_config) -> tuple[int, int, int]:
     return int(c.num_hidden_layers), int(num_kv_heads), int(head_dim)
 
 
-def sliding_window(text_config) -> int | None:
-    """The smallest attention window of any decoder layer, or None when every
-    layer attends to the whole context. Qwen2-style configs keep a
-    ``sliding_window`` value they do not use (``use_sliding_window=False``),
-    and ``layer_types`` says which layers use it."""
-    window = getattr(text_config, "sliding_window", None)
-    if not window or getattr(text_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
 def check_supported(config, model: str) -> None:
     """Refuse, with the reason, checkpoints the paged decoder cannot run exactly.
 
-    A sliding window is not refused here: up to ``window`` tokens it equals
-    full attention, so the front caps max_model_len at the window
-    (``sliding_window``) until a hybrid KV cache exists.
+    Sliding windows and attention soft-capping run exactly: each window has
+    its own KV cache group (worker/kv_groups.py).
     """
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
@@ -129,12 +116,6 @@ def check_supported(config, model: str) -> None:
             "tokenbudget serves decoder-only models"
         )
     text_config = config.get_text_config()
-    if getattr(text_config, "attn_logit_softcapping", None):
-        raise ValueError(
-            f"model {model!r} ({type(config).__name__}) soft-caps its attention "
-            "scores (attn_logit_softcapping), which the paged attention kernels "
-            "do not do; it cannot run exactly"
-        )
     for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if getattr(text_config, name, None) is None:
             raise ValueError(

@@ -21,12 +21,10 @@ import torch
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.failures import RequestFailure, describe
 from tokenbudget.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenbudget.worker.attention import (
-    allocate_kv_caches,
-    build_metadata,
-    kv_cache_bytes_per_block,
-)
+from tokenbudget.worker.attention import build_metadata
 from tokenbudget.worker.attention_select import flash_block_size_warning, resolve_backend
+from tokenbudget.worker.compiled import CompiledDecoder, compile_decoder, eager_by_default
+from tokenbudget.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from tokenbudget.worker.fault_isolation import StepPart, merge_parts, run_isolating
 from tokenbudget.worker.input_batch import InputBatch, RequestState, StepInputs
 from tokenbudget.worker.kv_cache import (
@@ -35,8 +33,10 @@ from tokenbudget.worker.kv_cache import (
     num_kv_blocks,
     profile_free_memory,
 )
+from tokenbudget.worker import kv_groups
 from tokenbudget.worker.kv_transfer import HostKVCache, num_offload_slots
 from tokenbudget.worker.loader import check_kv_cache_dtype, decoder_kv_shape, load_model
+from tokenbudget.worker.lora import NO_LORA
 from tokenbudget.worker.pooler import Pooler
 from tokenbudget.worker.prompt_logprobs import prompt_logprob_rows
 from tokenbudget.worker.sampler import Sampler, make_generator
@@ -67,10 +67,21 @@ class ModelRunner:
         revision: str | None = None,
         kv_cache_dtype: str = "auto",
         parallel: ParallelGroup | None = None,
+        enforce_eager: bool | None = None,
+        cuda_graph_sizes: list[int] | None = None,
     ) -> None:
         """``parallel``: this rank's tensor-parallel group; the model is loaded
-        whole on the host, sharded, then moved to the device."""
+        whole on the host, sharded, then moved to the device. ``enforce_eager``:
+        no compiled decoder (worker/compiled.py) and no CUDA graphs; None: eager
+        on CPU only.
+        ``cuda_graph_sizes``: the decode batch sizes captured (worker/cuda_graphs.py)."""
         self.device = torch.device(device)
+        self.enforce_eager = (
+            eager_by_default(self.device) if enforce_eager is None else enforce_eager
+        )
+        self.compiled: CompiledDecoder | None = None
+        self.cuda_graph_sizes = cuda_graph_sizes
+        self.cuda_graphs: DecodeGraphs | None = None
         self.parallel = parallel
         self.model = load_model(
             model,
@@ -85,10 +96,13 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         check_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.text_config = self.model.config.get_text_config()
+        self.attention_backend_choice = attention_backend
+        self.kv_layout = kv_groups.kv_layout(self.text_config)  # KV cache groups
         self.attention_backend = resolve_backend(attention_backend, self.device, self.dtype)
         self.vision = VisionInputs(self.model) if is_vision_model(self.model) else None
         self.sampler = Sampler()
         self.pooler = Pooler(self.model)
+        self.lora = NO_LORA  # a LoRAManager once enable_lora (worker/lora.py) ran
         self.requests: dict[str, RequestState] = {}
         # Requests that failed, until the scheduler's finished_req_ids drops
         # them: a step scheduled before it heard of the failure skips them.
@@ -120,17 +134,20 @@ class ModelRunner:
     ) -> int:
         """Size and allocate the KV cache; returns num_blocks (block 0 included)."""
         bs = cache_config.block_size
+        if self.attention_backend_choice == "auto":  # flash-attn pages in place only in 256s
+            self.attention_backend = resolve_backend("auto", self.device, self.dtype, block_size=bs)
+        self.attention_backend = kv_groups.backend_for(self.attention_backend, self.kv_layout)
         warning = flash_block_size_warning(self.attention_backend, bs)
         if warning:
             logger.warning("attention: %s", warning)
-        num_layers, num_kv_heads, head_dim = self._kv_shape
-        per_block = kv_cache_bytes_per_block(num_layers, bs, num_kv_heads, head_dim, self.dtype)
+        per_block = kv_groups.layout_block_bytes(self, bs)
         num_blocks = num_kv_blocks(
             cache_config,
             scheduler_config,
             per_block,
             self.device,
             lambda: self._profile_free_memory(cache_config, scheduler_config),
+            kv_groups.blocks_per_seq(self, scheduler_config, bs),
         )
         if self.parallel is not None:
             num_blocks = self.parallel.min_over_ranks(num_blocks)
@@ -145,17 +162,17 @@ class ModelRunner:
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        self.kv_caches = allocate_kv_caches(
-            num_layers, num_blocks, bs, num_kv_heads, head_dim, self.dtype, self.device
-        )
+        self.kv_caches = kv_groups.layout_kv_caches(self, num_blocks, bs)
         num_slots = num_offload_slots(cache_config, per_block)
         self.host_kv = HostKVCache(self.kv_caches, num_slots) if num_slots else None
         self.num_offload_blocks = num_slots
         self.batch = InputBatch(
             scheduler_config.max_num_seqs,
             scheduler_config.max_model_len + scheduler_config.num_speculative_tokens,
-            blocks_per_request(scheduler_config, bs),
+            blocks_per_request(scheduler_config, bs) * self.kv_layout.num_groups,
         )
+        self.compiled = compile_decoder(self)
+        self.cuda_graphs = capture_decode_graphs(self, scheduler_config.max_num_seqs)
         return int(num_blocks)
 
     def _profile_free_memory(
@@ -190,6 +207,7 @@ class ModelRunner:
                 state.row = None
         if self.vision is not None:
             self.vision.free(so.free_encoder_mm_hashes)
+        failed.update(self.lora.update(so))  # a request whose adapter fails to load
         for new in so.scheduled_new_reqs:
             try:
                 params = new.sampling_params
@@ -271,7 +289,7 @@ class ModelRunner:
         pooling = self.pooler.mask(step.req_ids)
         if pooling is not None:
             step.samples &= ~pooling  # pooling requests sample nothing
-        meta = self._attention_metadata(step)
+        meta = self._attention_metadata(step, graphable=pooling is None)
         logits_idx = self._logits_indices(step)
         prompt_rows = prompt_logprob_rows(step, self.requests, self.batch.token_ids)
         keep = (
@@ -279,6 +297,7 @@ class ModelRunner:
         )
         t1 = time.perf_counter()
         self.pooler.start_step(pooling)
+        self.lora.prepare(step.req_ids, step.query_lens)
         logits = self._forward(so, step, meta, keep)
         pooled = self.pooler.pool(step.req_ids, step.starts, step.query_lens, pooling)
         t2 = time.perf_counter()
@@ -342,14 +361,22 @@ class ModelRunner:
             samples=ends >= known,
         )
 
-    def _attention_metadata(self, step: StepInputs):
+    def _attention_metadata(self, step: StepInputs, graphable: bool = False):
         batch, bs = self.batch, self.block_size
         seq_lens = step.starts + step.query_lens
         rows_rep = np.repeat(step.rows, step.query_lens)
+        if not self.kv_layout.plain:  # a table per group, no graphs
+            return kv_groups.group_metadata(self, step, seq_lens, rows_rep)
         slot_mapping = (
             batch.block_table[rows_rep, step.positions // bs].astype(np.int64) * bs
             + step.positions % bs
         )
+        if graphable and self.cuda_graphs is not None:  # decode-only: a graph's buffers
+            meta = self.cuda_graphs.prepare(
+                step, seq_lens, batch.block_table[step.rows], slot_mapping
+            )
+            if meta is not None:
+                return meta
         max_blocks = -(-int(seq_lens.max()) // bs)
         return build_metadata(
             self.attention_backend,
@@ -373,12 +400,16 @@ class ModelRunner:
         )
 
     def _forward(self, so: SchedulerOutput, step: StepInputs, meta, logits_idx: np.ndarray):
+        if self.cuda_graphs is not None and self.cuda_graphs.owns(meta):
+            return self.cuda_graphs.replay(meta, logits_idx)
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
         keep = torch.from_numpy(logits_idx).to(dev, non_blocking=True)
         if self.vision is not None:
             return self.vision.forward(so, step, self.requests, input_ids, meta, keep)
         positions = torch.from_numpy(step.positions).to(dev, non_blocking=True)
+        if self.compiled is not None and not self.pooler.states:  # pooling: eager
+            return self.compiled(input_ids, positions, keep, meta)
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],

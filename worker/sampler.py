@@ -119,6 +119,10 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [n, k+1] float32: log_softmax of the raw logits at those ids
 
 
+# What a row with no allowed token samples (the step then fails that request).
+NO_TOKEN = -1
+
+
 class Sampler(torch.nn.Module):
     """Samples one token per row. Never modifies `logits` (apply bitmasks before calling)."""
 
@@ -126,12 +130,13 @@ class Sampler(torch.nn.Module):
         # Logprobs stay those of `logits` as given: the processors work on a copy.
         processed = logits if metadata.processors is None else metadata.processors.apply(logits)
         private = processed is not logits  # a float32 copy: temperature may scale it in place
-        if metadata.all_greedy:
-            sampled = processed.argmax(dim=-1)
-        elif metadata.all_random:
+        # A row whose every token is banned (allowed_token_ids, bad words, min_tokens,
+        # a grammar) samples NO_TOKEN instead of an arbitrary banned one.
+        best, sampled = processed.max(dim=-1)
+        blocked = best == float("-inf")
+        if metadata.all_random:
             sampled = _sample_random(processed, metadata, in_place=private)
-        else:
-            sampled = processed.argmax(dim=-1)
+        elif not metadata.all_greedy:
             sampled.index_copy_(
                 0,
                 metadata.random_index,
@@ -139,9 +144,10 @@ class Sampler(torch.nn.Module):
                     processed.index_select(0, metadata.random_index), metadata, in_place=private
                 ),
             )
+        sampled = sampled.masked_fill_(blocked, NO_TOKEN)
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None)
-        ids, logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
+        ids, logprobs = _gather_logprobs(logits, sampled.clamp(min=0), metadata.max_num_logprobs)
         return SamplerOutput(sampled, ids, logprobs)
 
 

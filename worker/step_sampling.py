@@ -15,7 +15,7 @@ import torch
 from tokenbudget.core.outputs import SchedulerOutput
 from tokenbudget.worker.fault_isolation import StepPart
 from tokenbudget.worker.input_batch import InputBatch, RequestState, StepInputs, TokenHistory
-from tokenbudget.worker.sampler import Sampler, SamplingMetadata, apply_token_bitmask
+from tokenbudget.worker.sampler import NO_TOKEN, Sampler, SamplingMetadata, apply_token_bitmask
 from tokenbudget.worker.spec_decode import SeedRewind, aligned_drafts, num_accepted
 
 
@@ -52,6 +52,13 @@ def sample(
             rewind.save(i, generator)
     result = sampler(logits.float(), metadata)
     ids = result.sampled_token_ids.tolist()
+    if NO_TOKEN in ids:
+        # A ValueError: fault isolation ends the request(s) with this row, as
+        # INVALID_ARGUMENT, and the step's other requests go on.
+        raise ValueError(
+            "sampling_params: no token is allowed at this step (allowed_token_ids, "
+            "bad_words, min_tokens and the structured output exclude every token)"
+        )
     lps = None
     if result.logprobs is not None:
         lps = (result.logprobs_token_ids.tolist(), result.logprobs.tolist())

@@ -6,7 +6,9 @@ import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.worker.kv_cache import ParallelGroup
+from tokenbudget.worker.lora import enable_lora
 from tokenbudget.worker.model_runner import ModelRunner
 
 
@@ -29,10 +31,14 @@ class Worker:
         kv_cache_dtype: str = "auto",
         seed: int | None = None,
         parallel: ParallelGroup | None = None,
+        cuda_graph_sizes: list[int] | None = None,
+        enforce_eager: bool | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """``seed`` seeds torch's global generator, which requests without a
         seed of their own draw from (vLLM's ``seed`` engine argument).
-        ``parallel``: this rank's tensor-parallel group (worker/parallel)."""
+        ``parallel``: this rank's tensor-parallel group (worker/parallel).
+        ``lora_config``: serve LoRA adapters (worker/lora.py); None: off."""
         if seed is not None:
             torch.manual_seed(seed)
         self.model_name = model
@@ -45,7 +51,11 @@ class Worker:
             revision=revision,
             kv_cache_dtype=kv_cache_dtype,
             parallel=parallel,
+            cuda_graph_sizes=cuda_graph_sizes,
+            enforce_eager=enforce_eager,
         )
+        if lora_config is not None:  # before initialize: LoRA runs eager
+            enable_lora(self.model_runner, lora_config)
 
     def initialize(
         self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
@@ -53,7 +63,11 @@ class Worker:
         """Allocate the KV cache; returns its size (device blocks, block 0
         included, and host tier slots). ``cache_config`` is not written to."""
         num_blocks = self.model_runner.initialize_kv_cache(cache_config, scheduler_config)
-        return KVCacheSpec(num_blocks, self.model_runner.num_offload_blocks)
+        runner = self.model_runner
+        windows = runner.kv_layout.windows
+        return KVCacheSpec(
+            num_blocks, runner.num_offload_blocks, () if windows == (0,) else windows
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
@@ -64,6 +78,7 @@ class Worker:
         runner = self.model_runner
         runner.kv_caches = []
         runner.host_kv = None
+        runner.cuda_graphs = None  # its graphs hold the cache's addresses
         runner.requests.clear()
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()

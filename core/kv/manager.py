@@ -166,6 +166,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def group_tables(self, request_id: str) -> list[list[KVCacheBlock]]:
+        """The request's block table of each KV cache group (one here; see core/kv/groups.py)."""
+        blocks = self.req_to_blocks.get(request_id)
+        return [blocks] if blocks is not None else []
+
     def get_num_common_prefix_blocks(self, request: Request, num_running: int) -> int:
         """Leading blocks shared by all ``num_running`` running requests (for
         cascade attention): blocks referenced exactly once per running request."""

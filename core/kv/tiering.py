@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from tokenbudget.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventPublisher
+from tokenbudget.core.kv.groups import HybridKVCacheManager
 from tokenbudget.core.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -48,6 +49,23 @@ class SwappedKV:
 
     slots: list[KVCacheBlock]
     num_tokens: int
+
+
+def make_kv_cache_manager(cache_config: CacheConfig, **callbacks) -> KVCacheManager:
+    """One table per request, or one per KV cache group when the model's layers
+    attend differently (``cache_config.kv_group_windows``, core/kv/groups.py)."""
+    args = (cache_config.enable_prefix_caching, cache_config.hash_algo, cache_config.hash_seed)
+    windows = tuple(cache_config.kv_group_windows)
+    if windows in ((), (0,)):
+        return KVCacheManager(cache_config.num_blocks, cache_config.block_size, *args, **callbacks)
+    names = ("enable_caching", "hash_algo", "hash_seed")
+    return HybridKVCacheManager(
+        cache_config.num_blocks,
+        cache_config.block_size,
+        windows,
+        **dict(zip(names, args)),
+        **callbacks,
+    )
 
 
 class KVTiering:
@@ -73,15 +91,16 @@ class KVTiering:
             else None
         )
         spill = self.host is not None or events is not None
-        self.kv = kv = KVCacheManager(
-            cache_config.num_blocks,
-            cache_config.block_size,
-            cache_config.enable_prefix_caching,
-            cache_config.hash_algo,
-            cache_config.hash_seed,
+        self.kv = kv = make_kv_cache_manager(
+            cache_config,
             on_evict=self._on_device_evict if spill else None,
             on_store=self._on_device_store if events is not None else None,
         )
+        if self.host is not None and isinstance(kv, HybridKVCacheManager):
+            raise ValueError(
+                "the host KV tier (kv_offload_memory / num_offload_blocks) does not support "
+                "models with several KV cache groups (sliding-window layers) yet"
+            )
         self.block_size = kv.block_size
         self.load_budget = cache_config.kv_load_blocks_per_step
         self.swapped: dict[str, SwappedKV] = {}
@@ -116,7 +135,8 @@ class KVTiering:
         rid = req.request_id
         computed = req.num_computed_tokens
         blocks = self.kv.req_to_blocks.get(rid, ())
-        self._uncache_uncomputed(blocks, computed)
+        for table in self.kv.group_tables(rid):
+            self._uncache_uncomputed(table, computed)
         if computed <= 0:
             return
         self._computed_before[rid] = computed

@@ -6,11 +6,14 @@ tenants, each time taking the next request of the tenant with the least
 virtual time (within a tenant, the order the policy gave). A flood from one
 tenant thus waits behind the others' requests instead of in front of them. A
 tenant that was idle starts at the least virtual time of the busy ones, so
-idling banks no credit. When the seats (``max_num_seqs``) or KV blocks are
-full, a tenant below its weighted share of the seats takes one back from the
-tenant furthest above its share (preempting that tenant's latest admitted
-request). While other tenants have work, a tenant's prompt tokens per step
-are capped at its weighted share of the step's token budget
+idling banks no credit; an idle tenant is forgotten once it has no debt
+left to remember (the busy tenants caught up with it; at most
+MAX_IDLE_TENANTS indebted idle tenants are kept).
+When the seats (``max_num_seqs``) or KV blocks are full, a tenant below its
+weighted share of the seats takes one back from the tenant furthest above
+its share (preempting that tenant's latest admitted request). While other
+tenants have work, a tenant's prompt tokens per step are capped at its
+weighted share of the step's token budget
 (``fair_share_chunk_cap``): the step time its prefills add, and so the
 others' time per output token, is bounded by its share.
 """
@@ -31,6 +34,11 @@ if TYPE_CHECKING:
     from tokenbudget.core.request import Request
 
 
+# Idle tenants whose virtual time is remembered (they used more than the busy
+# ones when they left); beyond it the least indebted are forgotten.
+MAX_IDLE_TENANTS = 4096
+
+
 class FairShare(SchedulingPolicy):
     def __init__(self, config: SchedulerConfig) -> None:
         self.max_num_seqs = config.max_num_seqs
@@ -40,6 +48,7 @@ class FairShare(SchedulingPolicy):
         # Tokens scheduled per tenant divided by its weight.
         self.vtime: dict[str | None, float] = {}
         self._busy: set[str | None] = set()
+        self._idle_kept = 0  # idle tenants remembered at the last _forget_idle
 
     def weight(self, tenant: str | None) -> float:
         return self.weights.get(tenant, 1.0) if tenant is not None else 1.0
@@ -87,6 +96,8 @@ class FairShare(SchedulingPolicy):
             if vtime.get(t, 0.0) < floor:
                 vtime[t] = floor
         self._busy = busy
+        if len(vtime) - len(busy) > self._idle_kept:  # a tenant went idle since the last look
+            self._forget_idle(busy, floor)
         if len(per_tenant) <= 1:
             return
         # Ties go to the tenant with fewer running requests per weight, then
@@ -114,6 +125,20 @@ class FairShare(SchedulingPolicy):
                     heap, (v + cost / self.weight(t), share, reqs[position[t]].arrival_time, i, t)
                 )
         waiting.reorder(ordered)
+
+    def _forget_idle(self, busy: set[str | None], floor: float) -> None:
+        """Drop idle tenants that gain nothing by being remembered: those at or
+        below ``floor`` (a returning tenant starts there anyway) and, beyond
+        MAX_IDLE_TENANTS, the ones closest to it."""
+        vtime = self.vtime
+        idle = [t for t in vtime if t not in busy]
+        drop = [t for t in idle if vtime[t] <= floor]
+        if len(idle) - len(drop) > MAX_IDLE_TENANTS:
+            indebted = sorted((t for t in idle if vtime[t] > floor), key=vtime.__getitem__)
+            drop += indebted[: len(indebted) - MAX_IDLE_TENANTS]
+        for t in drop:
+            del vtime[t]
+        self._idle_kept = len(idle) - len(drop)
 
     # -- SchedulingPolicy ----------------------------------------------------------
     def begin_step(self, step: StepView, running: list[Request], waiting) -> None:

@@ -11,12 +11,17 @@ if TYPE_CHECKING:
 
 
 def check_request(
-    request: Request, config: SchedulerConfig, pool_tokens: int, structured_output: bool
+    request: Request,
+    config: SchedulerConfig,
+    pool_tokens: int,
+    structured_output: bool,
+    lora_enabled: bool = False,
 ) -> None:
     """Raise ValueError if ``request`` can never run: longer than
     max_model_len or than the whole KV cache (``pool_tokens``), a multimodal
     item the encoder cannot take, or structured output on an engine without
-    it (``structured_output``)."""
+    it (``structured_output``), or a LoRA adapter on an engine without LoRA
+    (``lora_enabled``)."""
     if request.num_tokens > config.max_model_len:
         raise ValueError(
             f"prompt has {request.num_tokens} tokens, more than "
@@ -43,3 +48,8 @@ def check_request(
             )
     if request.sampling_params.structured is not None and not structured_output:
         raise ValueError("structured output is not enabled on this engine")
+    if request.lora_request is not None and not lora_enabled:
+        raise ValueError(
+            f"request {request.request_id}: LoRA adapter {request.lora_request.lora_name!r} "
+            "asked for but LoRA is not enabled (enable_lora)"
+        )

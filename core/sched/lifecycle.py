@@ -34,6 +34,7 @@ class RequestLifecycle:
     kv_cache_manager: Any
     encoder_cache_manager: EncoderCacheManager
     structured_output_manager: Any
+    lora_gate: Any  # core/sched/lora_gate.py, None without LoRA
     requests: dict[str, Request]
     waiting: Any
     running: list[Request]
@@ -45,7 +46,13 @@ class RequestLifecycle:
         cfg = self.scheduler_config
         if request.request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request.request_id!r} already exists")
-        check_request(request, cfg, self._pool_tokens, self.structured_output_manager is not None)
+        check_request(
+            request,
+            cfg,
+            self._pool_tokens,
+            self.structured_output_manager is not None,
+            self.lora_gate is not None,
+        )
         # Last check that can refuse: nothing may be registered before it.
         if cfg.max_queued_requests and len(self.waiting) >= cfg.max_queued_requests:
             self._make_room_in_queue(request)

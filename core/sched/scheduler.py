@@ -19,13 +19,16 @@ import time
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.failures import DuplicateRequestError, QueueFullError, describe
+from tokenbudget.core.kv.groups import request_capacity_tokens
 from tokenbudget.core.kv.tiering import KVTiering
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.outputs import RequestOutput, SchedulerOutput
 from tokenbudget.core.policy.factory import create_queue, make_policy
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.sched.encoder_budget import EncoderBudget
 from tokenbudget.core.sched.encoder_cache import EncoderCacheManager
 from tokenbudget.core.sched.lifecycle import RequestLifecycle
+from tokenbudget.core.sched.lora_gate import LoRAGate
 from tokenbudget.core.sched.preemption import Preemptor
 from tokenbudget.core.sched.stats import SchedulerStats, SpecDecodingStats
 from tokenbudget.core.sched.step import Step, chunk_size, fill_grammar_bitmask, grammar_bitmask
@@ -47,6 +50,7 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         structured_output_manager=None,
         *,
         defer_grammar_bitmask: bool = False,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
@@ -58,6 +62,9 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.encoder_budget = EncoderBudget(self.encoder_cache_manager)
         self.structured_output_manager = structured_output_manager
+        # At most max_loras distinct adapters per step (None: LoRA off).
+        self.lora_config = lora_config
+        self.lora_gate = None if lora_config is None else LoRAGate(lora_config.max_loras)
         # Schedule with a pending grammar_bitmask (a Future) that the engine
         # resolves via fill_grammar_bitmask once the previous step's tokens are in.
         self.defer_grammar_bitmask = defer_grammar_bitmask
@@ -88,7 +95,9 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         self._side_outputs: list[RequestOutput] = []
         self.clock = time.monotonic
         # Tokens the whole KV cache holds: a request needing more can never run.
-        self._pool_tokens = (cache_config.num_blocks - 1) * cache_config.block_size
+        self._pool_tokens = request_capacity_tokens(
+            cache_config.num_blocks, cache_config.block_size, cache_config.kv_group_windows
+        )
 
     # -- requests in and out: RequestLifecycle (core/sched/lifecycle.py) ----------
     def reset_prefix_cache(self) -> bool:
@@ -232,6 +241,9 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
                 )
         caps = step.tenant_caps
         skipped: list[Request] = []
+        gate = self.lora_gate
+        if gate is not None:
+            gate.begin(self.running)
         while waiting and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = waiting.peek()
             if (
@@ -241,6 +253,9 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
                 and caps[req.tenant] <= 0
             ):
                 skipped.append(waiting.pop())
+                continue
+            if gate is not None and not gate.admits(req):
+                skipped.append(waiting.pop())  # its adapter would be one too many
                 continue
             if req.status == RequestStatus.WAITING_FOR_FSM:
                 ready = self._grammar_ready(req)
@@ -311,6 +326,8 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
 
     def _start_running(self, req: Request, step: Step, num_cached: int, num_new: int) -> None:
         self.running.append(req)
+        if self.lora_gate is not None:
+            self.lora_gate.on_admitted(req)
         if req.status == RequestStatus.PREEMPTED:
             step.cached_reqs.append(req)
             step.resumed.add(req.request_id)

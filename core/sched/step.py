@@ -83,6 +83,7 @@ class Step:
                 r.lora_id,
                 None if r.sampling_params.ignore_eos else r.eos_token_id,
                 r.pooling_params,
+                r.lora_request,
             )
             for r in self.new_reqs
         ]

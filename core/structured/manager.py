@@ -2,22 +2,21 @@
 packed bitmask per step.
 
 A request with ``SamplingParams.structured`` is handed to the manager on
-arrival. Its grammar compiles in a thread pool (compiled grammars are cached
-by spec in an LRU bounded by count and by bytes: one 50k-entry ``choice``
-compiles to about 120 MB with a 150k vocabulary) while the request waits in WAITING_FOR_FSM; the
-scheduler skips it, keeping its queue position, until ``is_ready``. A compile
-that fails or outlives ``compile_timeout_s`` comes back from ``take_failed``
-and the scheduler aborts the request with that error.
+arrival. Its grammar compiles off this thread (in a child process that is
+killed at the timeout, or a thread: compile_process.py; cached by spec in
+grammar_cache.py) while it waits in WAITING_FOR_FSM; the scheduler skips it,
+keeping its queue position, until ``is_ready``. A compile that fails or
+outlives ``compile_timeout_s`` comes back from ``take_failed`` and the
+scheduler aborts the request with that error.
 
 Each step ``grammar_bitmask`` fills one int32 row (xgrammar layout: bit j of
 word w allows token 32*w + j) per sampled position of the scheduled
 structured requests; the worker applies it to the logits before sampling.
 ``accept_tokens`` advances a request's matcher with the tokens it kept.
 
-Parsing a spec, bounding its strings and its cache key are
-core/structured/grammar.py. xgrammar is imported only when a request needs
-it, so ``tokenbudget.core`` never imports it (or torch) at import time. Every method except
-``validate`` and ``compile`` runs on the scheduler's thread.
+Parsing a spec and its cache key: grammar.py. xgrammar is imported only when
+a request needs it, never at import time. Every method except ``validate``
+and ``compile`` runs on the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -34,12 +33,14 @@ import numpy as np
 
 from tokenbudget.core.failures import RequestFailure, describe
 from tokenbudget.core.sampling_params import StructuredOutputParams
+from tokenbudget.core.structured.compile_process import CompileTimeoutError, stoppable_compiles
 from tokenbudget.core.structured.grammar import (
     GrammarError,
     cache_key,
     parse_grammar,
     xgrammar_message,
 )
+from tokenbudget.core.structured.grammar_cache import GrammarCache
 
 if TYPE_CHECKING:
     from tokenbudget.core.request import Request
@@ -61,14 +62,8 @@ class StructuredRequest:
     matcher: Any = None
 
 
-# Compiled grammars kept for reuse, in bytes (xgrammar's memory_size_bytes).
+# Compiled grammars kept for reuse, in bytes (grammar_cache.py: what they hold).
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
-
-
-def _grammar_bytes(fut: Future) -> int:
-    if not fut.done() or fut.cancelled() or fut.exception() is not None:
-        return 0
-    return fut.result().memory_size_bytes
 
 
 class StructuredOutputManager:
@@ -89,10 +84,13 @@ class StructuredOutputManager:
         compile_threads: int = 2,
         fill_threads: int | str = "auto",
         any_whitespace: bool = False,
+        compile_in_process: bool = False,
     ) -> None:
         """``cache_size`` and ``cache_bytes`` bound the compiled grammars kept
         for reuse (least recently used go first); a grammar in use by a
-        request lives as long as the request, cached or not."""
+        request lives as long as the request, cached or not.
+        ``compile_in_process``: compile in child processes, killed at the
+        timeout (compile_process.py; what servers do), not in threads."""
         if compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
         if cache_size < 1:
@@ -112,11 +110,13 @@ class StructuredOutputManager:
         # Spec keys that parsed (validate runs on server threads, hence the lock).
         self._valid_lock = threading.Lock()
         self._valid: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._compiler = None
+        self._compiler = self._info = None
+        self._processes = stoppable_compiles(
+            compile_in_process, self._tokenizer_info, any_whitespace
+        )
         self._pool: ThreadPoolExecutor | None = None
         self._batch = None
-        # Spec key -> Future[CompiledGrammar]; the newest use last.
-        self._cache: OrderedDict[tuple[str, bytes], Future] = OrderedDict()
+        self._cache = GrammarCache(cache_size, cache_bytes)  # spec key -> Future
         # Waiting for their grammar / with a matcher, by request id.
         self._pending: dict[str, Request] = {}
         self._active: dict[str, Request] = {}
@@ -157,7 +157,7 @@ class StructuredOutputManager:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
+                self._info = info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size
                 )
                 # Our LRU is the cache: bounded, and a miss really compiles.
@@ -166,32 +166,47 @@ class StructuredOutputManager:
                 )
             return self._compiler
 
+    def _tokenizer_info(self):
+        return self._get_compiler() and self._info
+
     def _compiled(self, params: StructuredOutputParams) -> Future:
         key = cache_key(params)
         fut = self._cache.get(key)
         if fut is not None:
-            self._cache.move_to_end(key)
             return fut
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 self._compile_threads, thread_name_prefix="tokenbudget-grammar"
             )
-        fut = self._pool.submit(self.compile, params)
-        self._cache[key] = fut
-        self._evict()
+        deadline = time.monotonic() + self.compile_timeout_s
+        fut = self._pool.submit(self._compile_until, params, deadline)
+        self._cache.put(key, fut)
         return fut
+
+    def _compile_until(self, params: StructuredOutputParams, deadline: float):
+        """Compile in a child process ended at ``deadline``, or in this thread."""
+        if self._processes is None:
+            return self.compile(params)
+        try:
+            return self._processes.compile(params, deadline)
+        except CompileTimeoutError:
+            raise GrammarTimeoutError(
+                f"structured.{params.kind}: the grammar did not compile within "
+                f"{self.compile_timeout_s:g} s (its compile was stopped)"
+            ) from None
+        except (ValueError, EOFError) as exc:
+            message = str(exc) or "the grammar compiler process ended"
+            prefix = "" if message.startswith("structured.") else f"structured.{params.kind}: "
+            raise GrammarError(prefix + message) from None
 
     @property
     def cached_bytes(self) -> int:
         """Memory of the compiled grammars in the cache (compiles in flight count 0)."""
-        return sum(_grammar_bytes(f) for f in self._cache.values())
+        return self._cache.bytes
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past the count or byte bound."""
-        total = self.cached_bytes
-        while self._cache and (len(self._cache) > self.cache_size or total > self.cache_bytes):
-            _, fut = self._cache.popitem(last=False)
-            total -= _grammar_bytes(fut)
+        self._cache.evict()
 
     # -- request lifecycle (scheduler thread) --------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -242,10 +257,9 @@ class StructuredOutputManager:
                 exc = sr.compiled.exception()
                 if exc is None:
                     continue
-                key = cache_key(sr.params)
-                if self._cache.get(key) is sr.compiled:
-                    del self._cache[key]  # let a corrected client retry the same spec
-                if not isinstance(exc, GrammarError):
+                # Let a corrected client retry the same spec.
+                self._cache.drop(cache_key(sr.params), sr.compiled)
+                if not isinstance(exc, (GrammarError, GrammarTimeoutError)):
                     exc = GrammarError(f"structured.{sr.params.kind}: {xgrammar_message(exc)}")
                 failed.append((req, exc))
             elif now >= sr.deadline:
@@ -271,7 +285,12 @@ class StructuredOutputManager:
     def remove_request(self, req: Request) -> None:
         self._pending.pop(req.request_id, None)
         self._active.pop(req.request_id, None)
-        req.structured_request = None
+        sr, req.structured_request = req.structured_request, None
+        fut = sr.compiled if sr is not None else None
+        # A queued compile nobody waits for any more is never started (issue 26 4a).
+        waiting = any(r.structured_request.compiled is fut for r in self._pending.values())
+        if fut is not None and not waiting and fut.cancel():
+            self._cache.drop(cache_key(sr.params), fut)
 
     # -- per step (scheduler thread) -----------------------------------------------------
     def grammar_bitmask(
@@ -410,6 +429,8 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown()
 
 
 def _fill_with_drafts(matcher, drafts: list[int], bitmask: np.ndarray, first_row: int) -> None:

@@ -84,6 +84,14 @@ def handler_with_behavior(
     )
 
 
+def refusing_handler(behavior: Callable) -> grpc.RpcMethodHandler:
+    """A handler that runs ``behavior(request_iterator, context)`` without
+    reading the request: a refusal decided on metadata alone never receives,
+    buffers or parses the message (whatever its size). Every call kind looks
+    the same on the wire, so a streaming handler answers unary calls too."""
+    return grpc.stream_stream_rpc_method_handler(behavior)
+
+
 class WorkerSecretInterceptor(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call that does not present the secret."""
 
@@ -95,11 +103,11 @@ class WorkerSecretInterceptor(grpc.ServerInterceptor):
         if handler is None or presents(handler_call_details.invocation_metadata, self._secret):
             return handler
 
-        def deny(request, context):
+        def deny(request_iterator, context):
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "this worker requires the shared secret of --worker-secret-file "
                 "(metadata 'authorization: Bearer <secret>')",
             )
 
-        return handler_with_behavior(handler, deny)
+        return refusing_handler(deny)

@@ -9,8 +9,7 @@ flags.py): a flag ``--max-num-seqs`` is the keyword ``max_num_seqs``. vLLM's
 names for settings we had under our own names are aliases (``ALIASES``), as
 keywords and as flags. What we cannot honour is refused with
 ``UnsupportedArgument`` ("not supported: why") before anything loads
-(args_checks.py); accepted flags that change nothing here
-(``enforce_eager``: we capture no graphs) say so in their help.
+(args_checks.py); accepted flags that change nothing here say so in their help.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from tokenbudget.core.config import (
     SchedulerConfig,
     setting,
 )
+from tokenbudget.core.lora import LORA, LoRAConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.server.engine.args_checks import (
     FP8_KV_CACHE_DTYPES as FP8_KV_CACHE_DTYPES,
@@ -45,6 +45,8 @@ from tokenbudget.server.engine.compat import (
     parse_mm_limits,
 )
 from tokenbudget.core.structured.manager import DEFAULT_GRAMMAR_CACHE_BYTES
+from tokenbudget.server.engine.request_limits import RequestLimits
+from tokenbudget.worker.cuda_graph_sizes import CudaGraphConfig
 from tokenbudget.server.engine.mm_processor import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
@@ -54,7 +56,7 @@ logger = logging.getLogger("tokenbudget.server")
 
 # The ``server --help`` groups, in order (SCHEDULER, POLICY, KV_CACHE: core.config).
 MODEL, SERVER, LOGGING, WORKERS = "model", "server", "logging", "workers"
-GROUPS = (MODEL, SERVER, LOGGING, WORKERS, SCHEDULER, POLICY, KV_CACHE)
+GROUPS = (MODEL, SERVER, LOGGING, WORKERS, SCHEDULER, POLICY, KV_CACHE, LORA)
 # vLLM's name -> ours, for LLM(...) keywords (the CLI has both as option strings).
 ALIASES = {
     "num_gpu_blocks_override": "num_gpu_blocks",
@@ -74,7 +76,7 @@ def _from(config: type, name: str, **override: Any) -> Any:
 
 
 @dataclass(slots=True)
-class EngineArgs:
+class EngineArgs(LoRAConfig):  # LoRAConfig's settings are ours (core/lora.py)
     model: str | None = setting(
         None,
         "Hugging Face checkpoint: a local folder or a hub id. Without it the built-in "
@@ -160,10 +162,14 @@ class EngineArgs:
         group=MODEL,
         metavar="JSON",
     )
-    enforce_eager: bool = setting(
-        False,
-        "accepted for vLLM compatibility and changes nothing: tokenbudget never "
-        "captures CUDA graphs, it always runs eagerly",
+    # None: compiled on CUDA, eager on CPU (worker/compiled.py eager_by_default).
+    enforce_eager: bool | None = setting(
+        None,
+        "run the model op by op: no compiled decoder (torch.compile with inductor, which "
+        "fuses norms, rotary and activations and prepacks CPU linears; compiled once at "
+        "start-up, 10-30 s cold on 2 CPU cores, a few seconds from inductor's on-disk cache, "
+        "$TORCHINDUCTOR_CACHE_DIR) and no CUDA graphs. Default: compiled on CUDA, eager on "
+        "CPU; --no-enforce-eager compiles on CPU too",
         group=MODEL,
     )
     device: str | None = setting(
@@ -171,10 +177,16 @@ class EngineArgs:
     )
     attention_backend: str = setting(
         "auto",
-        "paged attention kernel (default %(default)s: the fastest available)",
+        "paged attention kernel (default %(default)s: the fastest available; cpu: our C++ "
+        "kernel reading the paged cache in place, built on first use with g++, else sdpa; "
+        "cuda: flash_attn when its pages fit --block-size (multiples of 256), else triton: "
+        "a Triton kernel reading the paged cache in place at any power-of-two block size)",
         group=MODEL,
-        choices=("auto", "sdpa", "flash_attn"),
+        choices=("auto", "sdpa", "flash_attn", "cpu", "triton"),
     )
+    # Decode CUDA graphs (worker/cuda_graph_sizes.py).
+    cuda_graph_sizes: list[int] | str | None = _from(CudaGraphConfig, "cuda_graph_sizes")
+    cuda_graph_max_bs: int | None = _from(CudaGraphConfig, "cuda_graph_max_bs")
     # -- input limits (one client must not exhaust the server's memory) --
     max_image_pixels: int = setting(
         DEFAULT_MAX_IMAGE_PIXELS,
@@ -208,6 +220,12 @@ class EngineArgs:
         "normalizes Unicode: a text that can never fit)",
         group=SERVER,
     )
+    # Stop strings, bad words and structured specs (server/engine/request_limits.py).
+    max_stop_strings: int = _from(RequestLimits, "max_stop_strings")
+    max_stop_string_bytes: int = _from(RequestLimits, "max_stop_string_bytes")
+    max_bad_words: int = _from(RequestLimits, "max_bad_words")
+    max_bad_word_bytes: int = _from(RequestLimits, "max_bad_word_bytes")
+    max_structured_bytes: int = _from(RequestLimits, "max_structured_bytes")
     grammar_cache_bytes: int = setting(
         DEFAULT_GRAMMAR_CACHE_BYTES,
         "compiled structured-output grammars kept for reuse, in "
@@ -336,9 +354,12 @@ class EngineArgs:
             "max_image_pixels": self.max_image_pixels,
             "max_image_pixels_per_request": self.max_image_pixels_per_request,
             "max_images_per_prompt": (self.limit_mm_per_prompt or {}).get("image"),
+            "request_limits": RequestLimits(
+                **{f: getattr(self, f) for f in RequestLimits.__dataclass_fields__}
+            ),
         }
 
-    def structured_output_manager(self, tokenizer: Any, vocab_size: int):
+    def structured_output_manager(self, tokenizer: Any, vocab_size: int, **options: Any):
         """The StructuredOutputManager with these settings (xgrammar loads on first use)."""
         from tokenbudget.core.structured.manager import StructuredOutputManager
 
@@ -347,26 +368,15 @@ class EngineArgs:
             vocab_size,
             compile_timeout_s=self.grammar_compile_timeout_s,
             cache_bytes=self.grammar_cache_bytes,
+            **options,
         )
 
     def resolve_max_model_len(self, text_config) -> int:
-        """The model's context limit (at most 8192 by default); a sliding window
-        caps it, since the paged attention computes full attention, which
-        equals the window's only up to the window's width."""
-        from tokenbudget.worker.loader import sliding_window
-
+        """The model's context limit (at most 8192 by default). A sliding window
+        does not cap it: each window has its own KV cache group (worker/kv_groups.py)."""
         limit = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
         why = f"the model's max_position_embeddings={limit}"
-        window = sliding_window(text_config)
-        if window is not None and window < limit:
-            limit = window
-            why = (
-                f"the model's sliding window of {window} tokens (attention is exact only "
-                "within one window until a hybrid KV cache exists)"
-            )
         if self.max_model_len is None:
-            if limit < DEFAULT_MAX_MODEL_LEN and window == limit:
-                logger.warning("max_model_len capped at %d: %s", limit, why)
             return min(limit, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {why}")

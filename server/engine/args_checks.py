@@ -12,6 +12,7 @@ from typing import Any
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.server.engine.compat import UnsupportedArgument, check_compat
+from tokenbudget.worker.cuda_graph_sizes import capture_sizes
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -37,6 +38,7 @@ def _refuse_unsupported(args: Any) -> None:
             ("revision", args.revision is not None),
             ("trust_remote_code", args.trust_remote_code),
             ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
+            ("enable_lora", args.enable_lora),
         ):
             if given:
                 raise UnsupportedArgument(
@@ -94,6 +96,9 @@ def _check_values(args: Any) -> None:
                 "hash_algo='sha256'"
             ) from None
     args.cache_config()  # sizes and KV tier settings, checked before anything loads
+    # One list of sizes from either spelling (idempotent: max_bs is folded in).
+    args.cuda_graph_sizes = list(capture_sizes(args.cuda_graph_sizes, args.cuda_graph_max_bs))
+    args.cuda_graph_max_bs = None
     if args.max_logprobs < -1:
         raise ValueError(f"max_logprobs must be >= -1, got {args.max_logprobs}")
     args.speculative_config = SpeculativeConfig.parse(args.speculative_config)
@@ -107,5 +112,3 @@ def _check_values(args: Any) -> None:
         raise ValueError(
             f"grammar_compile_timeout_s must be > 0, got {args.grammar_compile_timeout_s}"
         )
-    if args.enforce_eager:
-        logger.debug("enforce_eager: tokenbudget never captures CUDA graphs (always eager)")

@@ -22,11 +22,13 @@ from tokenbudget.core.kv.events import KVEventSubscription
 from tokenbudget.core.structured.manager import StructuredOutputManager
 from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.server.engine.engine_stats import EngineStats, make_engine_stats
+from tokenbudget.server.engine.lora_registry import LoRARegistry
 from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.request import Request
 from tokenbudget.core.failures import DuplicateRequestError
 from tokenbudget.server.engine.output_processor import SampleState
+from tokenbudget.server.engine.stop_strings import StopStrings
 from tokenbudget.server.engine.streams import RequestStream, wake_async_readers
 
 logger = logging.getLogger(__name__)
@@ -59,12 +61,14 @@ class AsyncEngine:
         sampling_defaults: dict[str, Any] | None = None,
         trace_recorder: Any | None = None,
         pooler_config: PoolerConfig | None = None,
+        loras: LoRARegistry | None = None,  # the adapters served by name; None: no LoRA
     ) -> None:
         """``trace_recorder``: a server.engine.trace.TraceRecorder that sees
         every accepted request and its output length (no text), for replay.
         ``pooler_config``: the model's default pooling for embedding requests
         (server/engine/pooler_defaults.py; default LAST, normalised)."""
         self.pooler_config = pooler_config or PoolerConfig()
+        self.loras = loras
         self.core = core
         self.trace_recorder = trace_recorder
         # Engine request id -> its Request, while recorded and live.
@@ -154,6 +158,8 @@ class AsyncEngine:
                 f"max_model_len={self.max_model_len}"
             )
         samples = []
+        stop = requests[0].sampling_params.stop  # the same for every sample
+        stop_strings = StopStrings(stop) if stop and detokenize else None  # built once
         for i, r in enumerate(requests):
             params = r.sampling_params
             detok = None
@@ -166,7 +172,7 @@ class AsyncEngine:
                     "sampling_params.stop: stop strings need the engine to "
                     "detokenize (an input processor, detokenize=True)"
                 )
-            samples.append(SampleState(i, params, detok))
+            samples.append(SampleState(i, params, detok, stop_strings))
         stream = RequestStream(requests, samples, self._stop_sample, request_id=request_id)
         with self._lock:
             self._check_alive()

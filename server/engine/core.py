@@ -38,6 +38,8 @@ from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.kv.events import KVEventSubscription
+from tokenbudget.core.lora import LoRAConfig
+from tokenbudget.core.kv.groups import request_capacity_tokens
 from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from tokenbudget.core.request import Request, RequestStatus
 from tokenbudget.core.sched.scheduler import Scheduler
@@ -57,13 +59,15 @@ class EngineCore:
         structured_output_manager: StructuredOutputManager | None = None,
         *,
         max_model_len_given: bool = False,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """``executor``: an Executor, or an object with its three methods
         (``as_executor``). The configs are not written to: the engine's own,
         sized by the executor's KVCacheSpec, are ``scheduler_config`` and
         ``cache_config``. ``max_model_len_given``: the user set max_model_len,
         so a KV cache that cannot hold one such request is an error; otherwise
-        max_model_len is lowered to what the cache holds, with a warning."""
+        max_model_len is lowered to what the cache holds, with a warning.
+        ``lora_config``: the scheduler's adapter limit (None: LoRA off)."""
         sized_by = _kv_size_setting(cache_config)
         executor = as_executor(executor)
         spec = executor.initialize(cache_config, scheduler_config)
@@ -86,6 +90,7 @@ class EngineCore:
             cache_config,
             structured_output_manager,
             defer_grammar_bitmask=self._defer_masks,
+            lora_config=lora_config,
         )
         # Steps sent to the executor whose outputs have not been applied.
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
@@ -251,6 +256,7 @@ class EngineCore:
             cache_config or old.cache_config,
             old.structured_output_manager,
             defer_grammar_bitmask=self._defer_masks,
+            lora_config=old.lora_config,
         )
         # KV event subscribers stay; they see every block cleared.
         self.scheduler.kv_tiering.take_over_events(old.kv_tiering)
@@ -319,7 +325,10 @@ def _kv_size_setting(cache_config: CacheConfig) -> str:
 def sized_cache_config(cache_config: CacheConfig, spec: KVCacheSpec) -> CacheConfig:
     """``cache_config`` with the pool sizes the workers allocated."""
     return dataclasses.replace(
-        cache_config, num_blocks=spec.num_blocks, num_offload_blocks=spec.num_offload_blocks
+        cache_config,
+        num_blocks=spec.num_blocks,
+        num_offload_blocks=spec.num_offload_blocks,
+        kv_group_windows=spec.kv_group_windows,
     )
 
 
@@ -331,7 +340,9 @@ def fit_max_model_len(
     finish (vLLM refuses such a cache at start-up too). Refuse when
     max_model_len was ``given``; else return ``scheduler_config`` with
     max_model_len lowered to what the cache holds."""
-    capacity = (cache_config.num_blocks - 1) * cache_config.block_size
+    capacity = request_capacity_tokens(
+        cache_config.num_blocks, cache_config.block_size, cache_config.kv_group_windows
+    )
     lookahead = scheduler_config.num_speculative_tokens
     need = scheduler_config.max_model_len + lookahead
     if need <= capacity:

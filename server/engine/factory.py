@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.structured.manager import StructuredOutputManager
-from tokenbudget.server.engine.args import EngineArgs
+from tokenbudget.server.engine.args import EngineArgs, UnsupportedArgument
 from tokenbudget.server.engine.async_engine import AsyncEngine
 from tokenbudget.server.engine.compat import use_download_dir
 from tokenbudget.server.engine.core import EngineCore
@@ -24,7 +24,9 @@ from tokenbudget.server.engine.generation_defaults import (
     load_generation_defaults,
 )
 from tokenbudget.server.engine.input_processor import InputProcessor
+from tokenbudget.server.engine.lora_registry import LoRARegistry
 from tokenbudget.server.engine.pooler_defaults import load_pooler_config
+from tokenbudget.worker.cuda_graph_sizes import DEFAULT_CAPTURE_SIZES
 
 logger = logging.getLogger("tokenbudget.server")
 
@@ -41,6 +43,8 @@ class Placement:
     connect_timeout: float  # seconds a remote worker has to accept
     step_timeout: float  # seconds before a silent worker is hung; 0: never
     torch_threads: int | None  # per tensor-parallel rank; None: a share of this host's
+    # Once a worker answered steps: the tighter hang bound (RemoteExecutor); 0: off.
+    hang_timeout: float = 0.0
 
 
 @dataclass(slots=True)
@@ -60,10 +64,12 @@ def build_engine_core(
     placement: Placement | None = None,
     *,
     before_load: Callable[[], None] | None = None,
+    stoppable_compiles: bool = False,
 ) -> EngineParts:
     """Load ``args.model`` and build its engine. Everything that can be
     refused without the weights is refused first; ``before_load`` runs just
-    before they load (the server checks its port there)."""
+    before they load (the server checks its port there). ``stoppable_compiles``:
+    grammars compile in child processes killed at their timeout (for servers)."""
     from tokenbudget.core.utils.model_source import load_config
     from tokenbudget.worker.loader import check_supported
 
@@ -77,16 +83,7 @@ def build_engine_core(
     vocab_size = text_config.vocab_size
     max_model_len = args.resolve_max_model_len(text_config)
     scheduler_config, cache_config = args.scheduler_config(max_model_len), args.cache_config()
-    input_processor = InputProcessor.from_pretrained(
-        model,
-        vocab_size=vocab_size,
-        trust_remote_code=args.trust_remote_code,
-        tokenizer=args.tokenizer,
-        revision=args.revision,
-        chat_template=args.read_chat_template(),
-        max_logprobs=args.max_logprobs_for(vocab_size),
-        **args.input_limits(max_model_len),
-    )
+    input_processor = _input_processor(args, vocab_size, max_model_len)
     defaults = load_generation_defaults(
         model,
         source=args.generation_config,
@@ -97,13 +94,15 @@ def build_engine_core(
     if before_load is not None:
         before_load()
     # Cheap until a structured request arrives (xgrammar loads then).
-    structured = args.structured_output_manager(input_processor.tokenizer, vocab_size)
+    stoppable = {"compile_in_process": stoppable_compiles}
+    structured = args.structured_output_manager(input_processor.tokenizer, vocab_size, **stoppable)
     core = EngineCore(
         scheduler_config,
         cache_config,
         make_executor(args, placement),
         structured,
         max_model_len_given=args.max_model_len is not None,
+        lora_config=args.lora_config,
     )
     logger.info(
         "KV cache: %d blocks of %d tokens; async scheduling %s",
@@ -112,6 +111,19 @@ def build_engine_core(
         "on" if args.async_scheduling else "off",
     )
     return EngineParts(core, hf_config, input_processor, defaults, pooler_config, structured)
+
+
+def _input_processor(args: EngineArgs, vocab_size: int, max_model_len: int) -> InputProcessor:
+    return InputProcessor.from_pretrained(
+        args.model,
+        vocab_size=vocab_size,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        chat_template=args.read_chat_template(),
+        max_logprobs=args.max_logprobs_for(vocab_size),
+        **args.input_limits(max_model_len),
+    )
 
 
 def build_async_engine(
@@ -125,7 +137,7 @@ def build_async_engine(
 ) -> AsyncEngine:
     """``build_engine_core``'s engine behind the thread-safe AsyncEngine
     (``metrics``: its observer; ``record_trace``: keep a TraceRecorder)."""
-    parts = build_engine_core(args, placement, before_load=before_load)
+    parts = build_engine_core(args, placement, before_load=before_load, stoppable_compiles=True)
     trace_recorder = None
     if record_trace:
         from tokenbudget.server.engine.trace import TraceRecorder
@@ -144,6 +156,7 @@ def build_async_engine(
         num_remote_workers=len(placement.workers) if placement else 0,
         trace_recorder=trace_recorder,
         pooler_config=parts.pooler_config,
+        loras=None if args.lora_config is None else LoRARegistry(args.lora_config),
     )
 
 
@@ -153,7 +166,14 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
     if placement is not None and placement.workers:
         from tokenbudget.server.executor.remote import RemoteExecutor
 
+        if args.enable_lora:
+            raise UnsupportedArgument(
+                "enable_lora with --worker", "remote workers do not load LoRA adapters yet"
+            )
+
         logger.info("driving remote workers %s", ", ".join(placement.workers))
+        if args.cuda_graph_sizes not in (None, list(DEFAULT_CAPTURE_SIZES)):
+            logger.warning("--cuda-graph-sizes: remote workers capture the default sizes")
         return RemoteExecutor(
             list(placement.workers),
             args.model,
@@ -163,7 +183,9 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
             max_message_size=max(placement.max_message_size, 256 << 20),
             connect_timeout=placement.connect_timeout,
             step_timeout=placement.step_timeout,
+            hang_timeout=placement.hang_timeout,
             secret=placement.secret,
+            enforce_eager=args.enforce_eager,
         )
     if args.tensor_parallel_size > 1:
         from tokenbudget.server.executor.tensor_parallel import TensorParallelExecutor
@@ -172,7 +194,11 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
         extra = (
             {}
             if placement is None
-            else {"threads": placement.torch_threads, "step_timeout": placement.step_timeout}
+            else {
+                "threads": placement.torch_threads,
+                "step_timeout": placement.step_timeout,
+                "hang_timeout": placement.hang_timeout,
+            }
         )
         return TensorParallelExecutor(
             args.model,
@@ -180,8 +206,13 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
             dtype=args.dtype,
             device=args.device or "",
             attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
             **extra,
         )
+    return _in_process_executor(args)
+
+
+def _in_process_executor(args: EngineArgs):
     from tokenbudget.server.executor.inprocess import InProcessExecutor
     from tokenbudget.worker.worker import Worker
 
@@ -194,5 +225,8 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
         revision=args.revision,
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
+        cuda_graph_sizes=args.cuda_graph_sizes,
+        enforce_eager=args.enforce_eager,
+        lora_config=args.lora_config,
     )
     return InProcessExecutor(worker, async_mode=args.async_scheduling)

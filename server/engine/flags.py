@@ -31,7 +31,7 @@ def _flag(f: dataclasses.Field) -> tuple[str, list[str], dict[str, Any]]:
         *("--" + alias.replace("_", "-") for alias, name in ALIASES.items() if name == f.name),
     ]
     kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
-    kwargs.update((key, meta[key]) for key in ("choices", "metavar") if key in meta)
+    kwargs.update((key, meta[key]) for key in ("choices", "metavar", "nargs") if key in meta)
     kinds = {t.strip() for t in str(f.type).split("|")} - {"None"}
     if kinds == {"bool"}:
         kwargs["action"] = argparse.BooleanOptionalAction

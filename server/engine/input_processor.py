@@ -14,6 +14,7 @@ from tokenbudget.server.engine.mm_processor import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
 )
+from tokenbudget.server.engine.request_limits import RequestLimits
 
 Prompt = str | dict[str, Any]
 
@@ -44,6 +45,7 @@ class InputProcessor:
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST,
         max_images_per_prompt: int | None = None,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         """``max_logprobs``: the most (prompt) logprobs a request may ask for
         (vLLM's engine argument; None: up to the vocabulary size).
@@ -54,7 +56,9 @@ class InputProcessor:
         tokenized. None: ``max_model_len`` times the tokenizer's longest
         token in bytes (times 3 when it normalizes Unicode), the shortest text
         that can never fit (no limit while ``max_model_len`` is None; the
-        AsyncEngine sets it). The pixel and image-count limits: see mm_processor."""
+        AsyncEngine sets it). The pixel and image-count limits: see mm_processor.
+        ``request_limits``: the bounds on stop strings, bad words and
+        structured specs (default: RequestLimits' defaults)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_logprobs = vocab_size if max_logprobs is None else max_logprobs
@@ -70,6 +74,7 @@ class InputProcessor:
         self.max_image_pixels = max_image_pixels
         self.max_image_pixels_per_request = max_image_pixels_per_request
         self.max_images_per_prompt = max_images_per_prompt
+        self.request_limits = request_limits or RequestLimits()
         self._model_path = model_path
         self._mm_processor = None
 
@@ -126,7 +131,9 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Check ``params``' token ids against the vocabulary and tokenize its
-        bad words; returns the params to use (a copy when something was added)."""
+        bad words; returns the params to use (a copy when something was added).
+        The request limits are checked first, before anything is tokenized."""
+        self.request_limits.check(params)
         vocab = self.vocab_size
         ids = {
             "stop_token_ids": params.stop_token_ids,
@@ -152,15 +159,14 @@ class InputProcessor:
                 )
         if not params.bad_words:
             return params
-        sequences = list(params.bad_words_token_ids or [])
-        for word in params.bad_words:
-            # Like vLLM: the word as is and after a space (most BPEs fold a
-            # leading space into the first token, so both forms are banned).
-            for text in (word.lstrip(), " " + word.lstrip()):
-                seq = self.tokenizer.encode(text, add_special_tokens=False)
-                if seq and seq not in sequences:
-                    sequences.append(seq)
-        return dataclasses.replace(params, bad_words_token_ids=sequences or None)
+        # Like vLLM: each word as is and after a space (most BPEs fold a leading
+        # space into the first token, so both forms are banned). One batch call
+        # tokenizes them all; a dict keeps the first of each duplicate, in order.
+        texts = [t for w in params.bad_words for t in (w.lstrip(), " " + w.lstrip())]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        sequences = dict.fromkeys(tuple(s) for s in params.bad_words_token_ids or [])
+        sequences.update(dict.fromkeys(tuple(s) for s in encoded if s))
+        return dataclasses.replace(params, bad_words_token_ids=[list(s) for s in sequences] or None)
 
     # -- prompt length before tokenizing ----------------------------------------------
     @property

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.sampling_params import SamplingParams
+from tokenbudget.server.engine.stop_strings import StopStrings
 
 
 @dataclass(slots=True)
@@ -39,38 +40,45 @@ class SampleState:
 
     ``detokenizer`` is an IncrementalDetokenizer, or None for token ids only
     (then stop strings cannot be matched; the front refuses that pairing).
-    Only the text not yet handed out and the last few characters (where a
-    stop string can still end) are kept: growing one string per token would
-    copy the whole text every token."""
+    ``stop_strings``: the request's StopStrings, shared by its samples
+    (built here when not given). Only the text not yet handed out is kept
+    (the cursor holds where the text is among the stop strings): growing one
+    string per token would copy the whole text every token."""
 
     __slots__ = (
         "index",
         "detokenizer",
         "stop",
+        "cursor",
         "include_stop",
         "min_tokens",
         "num_tokens",
         "finished",
         "stop_string",
         "_unsent",
-        "_recent",
-        "_keep",
+        "_found",
         "_holdback",
     )
 
-    def __init__(self, index: int, params: SamplingParams, detokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: SamplingParams,
+        detokenizer: Any | None,
+        stop_strings: StopStrings | None = None,
+    ) -> None:
         self.index = index
         self.detokenizer = detokenizer
         self.stop = params.stop if detokenizer is not None else []
+        # Where the text is in the stop strings' automaton (fed every piece).
+        self.cursor = (stop_strings or StopStrings(self.stop)).cursor() if self.stop else None
+        self._found: tuple[int, str] | None = None  # a stop string ending in the last piece
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
         self.finished = False
         self.stop_string: str | None = None  # the stop string that ended the sample
         self._unsent = ""  # text not handed out yet
-        self._recent = ""  # the text's last characters, where a stop string may end
-        # A stop string ending in new text starts at most this far before it.
-        self._keep = max((len(s) for s in self.stop), default=1) - 1
         # A prefix of a stop string emitted too early could be cut later;
         # including the stop string, nothing emitted can be cut.
         self._holdback = bool(self.stop) and not self.include_stop
@@ -129,7 +137,7 @@ class SampleState:
             if tail:
                 self._append(tail)
                 if self.stop:
-                    self._find_stop(len(tail))
+                    self._find_stop()
         if self.stop_string is not None:
             delta.finish_reason, delta.stop_reason = "stop", self.stop_string
             self.finished = True
@@ -146,30 +154,24 @@ class SampleState:
                 continue
             self._append(piece)
             # vLLM's rule: stop strings count only once min_tokens are out.
-            if self.num_tokens + k + 1 > self.min_tokens and self._find_stop(len(piece)):
+            if self.num_tokens + k + 1 > self.min_tokens and self._find_stop():
                 return tokens[: k + 1]
         return tokens
 
     def _append(self, piece: str) -> None:
         self._unsent += piece
-        if self.stop:
-            self._recent = (self._recent[-self._keep :] if self._keep else "") + piece
+        if self.cursor is not None:
+            self._found = self.cursor.feed(piece)
 
-    def _find_stop(self, num_new: int) -> bool:
-        """Look for the earliest stop string that ends in the last ``num_new``
-        characters; on a hit cut the text there (after it if included)."""
-        recent = self._recent
-        best = None
-        for s in self.stop:
-            i = recent.find(s, max(0, len(recent) - num_new - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+    def _find_stop(self) -> bool:
+        """Whether a stop string ends in the last piece appended (the earliest
+        starting one); on a hit cut the text there (after it if included)."""
+        if self._found is None:
             return False
-        i, s = best
+        start, s = self._found
         # What follows the cut is still unsent: hold-back kept a stop string's
-        # start unsent, and what follows an included one is in ``piece``.
-        drop = len(recent) - (i + len(s) if self.include_stop else i)
+        # start unsent, and what follows an included one is in the last piece.
+        drop = self.cursor.num_chars - (start + len(s) if self.include_stop else start)
         if drop:
             self._unsent = self._unsent[:-drop]
         self.stop_string = s
@@ -177,11 +179,4 @@ class SampleState:
 
     def _held_back(self) -> int:
         """Length of the longest end of the unsent text that begins some stop string."""
-        text = self._unsent
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+        return self.cursor.held_back(len(self._unsent))

@@ -65,6 +65,7 @@ def build_requests(
         params = dataclasses.replace(
             params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + more_eos))
         )
+    check_allowed_tokens(params, eos)
     n = params.n
     samples = _sample_params(params)
     return [
@@ -78,6 +79,27 @@ def build_requests(
         )
         for i, p in enumerate(samples)
     ]
+
+
+def check_allowed_tokens(params: SamplingParams, eos: int | None) -> None:
+    """Refuse allowed_token_ids that other fields ban whole, before any step:
+    the sampler would otherwise have no token to pick (it then fails the
+    request mid-stream). ``eos``: the request's EOS id (its others are stop ids)."""
+    allowed = params.allowed_token_ids
+    if allowed is None:
+        return
+    always_banned = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}
+    if set(allowed) <= always_banned:
+        raise ValueError(
+            "sampling_params.allowed_token_ids: every allowed token is banned by "
+            "bad_words / bad_words_token_ids"
+        )
+    stops = set(params.stop_token_ids) | ({eos} if eos is not None else set())
+    if params.min_tokens > 0 and set(allowed) <= stops | always_banned:
+        raise ValueError(
+            "sampling_params.allowed_token_ids: every allowed token is an EOS or stop "
+            f"token, which min_tokens={params.min_tokens} bans until then"
+        )
 
 
 def _sample_params(params: SamplingParams) -> list[SamplingParams]:
@@ -103,6 +125,10 @@ def make_requests(
     builds them here): a structured-output spec is parsed first, then
     build_requests with ``request_options`` (Request keywords: priority,
     cache_salt, tenant, ...). Raises ValueError naming the field."""
+    try:  # the size bounds first: before a spec is parsed or a word tokenized
+        engine.input_processor.request_limits.check(params)
+    except ValueError as exc:
+        raise ValueError(f"sampling_params.{exc}") from None
     if params.structured is not None:
         manager = engine.structured_output
         if manager is None:

@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from tokenbudget.server.engine.client_strings import loggable
+
 logger = logging.getLogger("tokenbudget.server.stats")
 
 
@@ -74,7 +76,7 @@ class StatsLogger:
         self._num_finished += 1
         if not logger.isEnabledFor(self.request_level):
             return
-        parts = [f"request {request_id}" if request_id else "request", "finished"]
+        parts = [f"request {loggable(request_id)}" if request_id else "request", "finished"]
         if finish_reason:
             parts.append(f"({finish_reason})")
         detail = []

@@ -134,6 +134,10 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty")
     if args.worker_step_timeout < 0:
         raise ValueError(f"--worker-step-timeout must be >= 0, got {args.worker_step_timeout}")
+    if args.max_id_bytes < 1:
+        raise ValueError(f"--max-id-bytes must be >= 1, got {args.max_id_bytes}")
+    if args.worker_hang_timeout < 0:
+        raise ValueError(f"--worker-hang-timeout must be >= 0, got {args.worker_hang_timeout}")
     if not args.worker_connect_timeout > 0:
         raise ValueError(f"--worker-connect-timeout must be > 0, got {args.worker_connect_timeout}")
     if args.worker_secret_file is not None:
@@ -210,6 +214,7 @@ def placement(args: argparse.Namespace):
         secret=read_secret_file(secret) if secret else None,
         connect_timeout=args.worker_connect_timeout,
         step_timeout=args.worker_step_timeout,
+        hang_timeout=args.worker_hang_timeout,
         torch_threads=args.torch_threads or None,
     )
 
@@ -270,10 +275,13 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(f"server: --gil-switch-interval-ms must be > 0, got {args.gil_switch_interval_ms}")
     if args.log_stats_interval < 0:
         sys.exit(f"server: --log-stats-interval must be >= 0, got {args.log_stats_interval}")
-    if args.torch_threads:
-        import torch
+    if args.torch_threads < 0:
+        sys.exit(f"server: --torch-threads must be >= 0, got {args.torch_threads}")
+    import torch
 
-        torch.set_num_threads(args.torch_threads)
+    from tokenbudget.core.utils.cpus import available_cpus
+
+    torch.set_num_threads(args.torch_threads or available_cpus())
     from tokenbudget.proto.rpc.ports import BindError
 
     metrics = make_metrics(args)

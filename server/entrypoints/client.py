@@ -113,13 +113,16 @@ class Client:
         ttft_ms: float | None = None,
         tpot_ms: float | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
         **sampling,
     ) -> Iterator[generate_pb2.GenerateResponse]:
         """Yield GenerateResponse messages (token_ids and text deltas; the last
         has finish_reason and usage). Breaking out of the loop cancels the
         request on the server. ``sampling`` keywords build a SamplingParams; the
         server's defaults (the model's generation_config) fill the fields
-        neither names."""
+        neither names. Every message yielded carries the request id (the server
+        sends it on the first only). ``lora_name``: the LoRA adapter to use
+        (list_models() names them)."""
         request = make_request(
             prompt,
             sampling_params or SamplingParams(**sampling),
@@ -130,10 +133,17 @@ class Client:
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
             only=None if sampling_params is not None else sampling,
+            lora_name=lora_name,
         )
         call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
         try:
-            yield from call
+            rid = ""
+            for msg in call:
+                if msg.request_id:
+                    rid = msg.request_id
+                else:
+                    msg.request_id = rid
+                yield msg
         finally:
             call.cancel()  # a no-op once the stream ended
 
@@ -227,6 +237,20 @@ class Client:
     def model_info(self) -> generate_pb2.ModelInfo:
         return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=self.metadata)
 
+    def list_models(self) -> list[str]:
+        """The served model's name, then the LoRA adapters' (vLLM's /v1/models)."""
+        info = self.model_info()
+        return [info.model, *(a.name for a in info.lora_adapters)]
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> int:
+        """Serve the PEFT folder ``lora_path`` (on the server) as ``lora_name``; its id."""
+        msg = generate_pb2.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        return self.stub.LoadLoRAAdapter(msg, metadata=self.metadata).lora_int_id
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        msg = generate_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name)
+        self.stub.UnloadLoRAAdapter(msg, metadata=self.metadata)
+
     def stats(self) -> generate_pb2.Stats:
         return self.stub.GetStats(generate_pb2.GetStatsRequest(), metadata=self.metadata)
 
@@ -262,6 +286,7 @@ def make_request(
     ttft_ms: float | None = None,
     tpot_ms: float | None = None,
     only: Collection[str] | None = None,
+    lora_name: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """A GenerateRequest from a prompt: a string, a list of token ids,
     ``{"token_ids": [...]}``, ``{"text": ..., "images": [bytes]}`` or
@@ -276,6 +301,7 @@ def make_request(
         ("tenant", tenant),
         ("ttft_ms", ttft_ms),
         ("tpot_ms", tpot_ms),
+        ("lora_name", lora_name),
     ):
         if value is not None:
             setattr(msg, name, value)

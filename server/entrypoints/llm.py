@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.lora import LoRARequest
 from tokenbudget.core.outputs import RequestOutput
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.request import Request
@@ -16,6 +17,7 @@ from tokenbudget.server.engine.factory import build_engine_core
 from tokenbudget.server.engine.input_processor import Prompt
 from tokenbudget.server.engine.output_processor import SampleState
 from tokenbudget.server.engine.request_builder import build_pooling_request, build_requests
+from tokenbudget.server.engine.stop_strings import StopStrings
 
 
 @dataclass(slots=True)
@@ -153,8 +155,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationResult]:
-        """One result per prompt, in input order."""
+        """One result per prompt, in input order. ``lora_request``: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -165,12 +169,15 @@ class LLM:
             raise ValueError(
                 f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts"
             )
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        for lora in set(loras) - {None}:
+            self.engine_args.check_adapter(lora)  # a bad adapter fails here, in one line
         results: list[GenerationResult] = []
         # Engine request id -> (its result, its sample's output, its SampleState).
         samples: dict[str, tuple[GenerationResult, CompletionOutput, SampleState]] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                self._add(prompt, params, results, samples)
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
+                self._add(prompt, params, results, samples, lora)
             self._run(samples, use_tqdm)
         except BaseException:
             self.engine.abort_requests(list(samples))
@@ -255,28 +262,41 @@ class LLM:
                 progress.close()
         return results
 
-    def _make_requests(self, prompt: Prompt, params: SamplingParams) -> tuple[str, list[Request]]:
+    def _make_requests(
+        self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None
+    ) -> tuple[str, list[Request]]:
         """The id of one prompt's result and its engine requests, one per sample."""
         if params.structured is not None:
             self.structured_output.validate(params.structured)  # a bad spec fails here
         rid = f"llm-{next(self._ids)}"
         return rid, build_requests(
-            self.input_processor, rid, prompt, params, eos_token_ids=self.eos_token_ids
+            self.input_processor,
+            rid,
+            prompt,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            lora_request=lora,
         )
 
     def _add(
-        self, prompt: Prompt, params: SamplingParams, results: list[GenerationResult], samples: dict
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        results: list[GenerationResult],
+        samples: dict,
+        lora: LoRARequest | None = None,
     ) -> None:
-        rid, requests = self._make_requests(prompt, params)
+        rid, requests = self._make_requests(prompt, params, lora)
         result = GenerationResult(rid, requests[0].prompt_token_ids)
         results.append(result)
+        stop_strings = StopStrings(params.stop) if params.stop else None  # shared by the samples
         for i, req in enumerate(requests):
             output = CompletionOutput(i)
             result.outputs.append(output)
             detok = self.input_processor.detokenizer(
                 params.skip_special_tokens, params.spaces_between_special_tokens
             )
-            samples[req.request_id] = (result, output, SampleState(i, params, detok))
+            samples[req.request_id] = (result, output, SampleState(i, params, detok, stop_strings))
             self.engine.add_request(req)
 
     def _run(self, samples: dict, use_tqdm: bool) -> None:
@@ -345,3 +365,14 @@ def _embedding_result(req: Request, out: RequestOutput) -> EmbeddingRequestOutpu
         EmbeddingOutput(out.pooling_output.tolist()),
         max(out.num_cached_tokens, 0),
     )
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+    return loras

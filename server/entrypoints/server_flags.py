@@ -20,7 +20,13 @@ SERVER_FLAGS: list[Flag] = [
     (
         MODEL,
         ("--torch-threads",),
-        dict(type=int, default=0, help="torch intra-op threads on CPU; 0 keeps torch's default"),
+        dict(
+            type=int,
+            default=0,
+            help="torch intra-op threads on CPU (default 0: one per CPU this process may "
+            "run on, os.sched_getaffinity, so `taskset -c 0-3 server ...` gets 4; with "
+            "--tensor-parallel-size N each rank gets a 1/N share)",
+        ),
     ),
     (
         MODEL,
@@ -58,6 +64,18 @@ SERVER_FLAGS: list[Flag] = [
             default=64 << 20,
             help="largest request message in bytes; larger ones get "
             "RESOURCE_EXHAUSTED (default 64 MiB)",
+        ),
+    ),
+    (
+        SERVER,
+        ("--max-id-bytes",),
+        dict(
+            type=int,
+            default=256,
+            metavar="BYTES",
+            help="the longest request_id, tenant and cache_salt a client may send, in UTF-8 "
+            "bytes; they must also be printable (no newline or control character). Others are "
+            "refused with INVALID_ARGUMENT naming the field (default %(default)s)",
         ),
     ),
     (
@@ -250,7 +268,21 @@ SERVER_FLAGS: list[Flag] = [
             "unanswered this long is declared hung: health turns NOT_SERVING, requests in flight "
             "fail, and the server reconnects. 0 = never. The default (%(default)s, vLLM's "
             "execute-model timeout) leaves room for a first step's lazy CUDA/kernel set-up and a "
-            "full-budget prefill of a large model on CPU",
+            "full-budget prefill of a large model on CPU; --worker-hang-timeout tightens it "
+            "once the worker has answered steps",
+        ),
+    ),
+    (
+        WORKERS,
+        ("--worker-hang-timeout",),
+        dict(
+            type=float,
+            default=30.0,
+            metavar="SECONDS",
+            help="once a worker has answered two steps, a step it leaves unanswered for this "
+            "long, or 20x the slowest step it answered after its first if that is longer, "
+            "declares it hung (never later than --worker-step-timeout), so a hang is found in "
+            "seconds rather than minutes. 0 = only --worker-step-timeout (default %(default)s)",
         ),
     ),
     # Our older spelling of --no-enable-prefix-caching.

@@ -103,24 +103,6 @@ FLAGS = (
         "the model runs eagerly (no torch.compile or CUDA graphs to configure); drop it",
     ),
     VllmFlag(
-        ("--enable-lora",),
-        dict(action="store_true", default=None),
-        lambda on: not on,
-        "LoRA adapters are not supported yet; merge the adapter into the weights",
-    ),
-    VllmFlag(
-        ("--lora-modules",),
-        dict(nargs="+", metavar="NAME=PATH"),
-        _never,
-        "LoRA adapters are not supported yet; merge the adapter into the weights",
-    ),
-    VllmFlag(
-        ("--max-lora-rank",),
-        dict(type=int, metavar="RANK"),
-        _never,
-        "LoRA adapters are not supported yet; merge the adapter into the weights",
-    ),
-    VllmFlag(
         ("--uvicorn-log-level",),
         dict(metavar="LEVEL"),
         _never,

@@ -10,7 +10,12 @@ and the first worker's output is the step's output (the seam where tensor
 parallel ranks would go); the KV cache size is the smallest any worker has.
 If a stream breaks (a worker died) or a worker leaves a step unanswered for
 longer than ``step_timeout`` (it hangs), every pending and later step fails
-with WorkerUnavailableError and the failure callbacks fire. ``reinitialize``
+with WorkerUnavailableError and the failure callbacks fire. ``step_timeout``
+is a long allowance (a first step's lazy set-up, a cold prefill); once a
+worker has answered HANG_MIN_STEPS steps its bound tightens to
+``hang_timeout``, or HANG_FACTOR times the slowest step it answered after
+the first if that is longer (never past ``step_timeout``), so a worker that
+stops answering is found in seconds, not minutes. ``reinitialize``
 then reconnects (new channels), sends the same Initialize again and opens new
 streams: the engine calls it, with backoff, until the workers are back.
 
@@ -38,6 +43,11 @@ from tokenbudget.server.executor.base import Executor
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+# Steps a worker answers before its step times bound a hang (the first one may
+# carry lazy set-up and is not a sample), and how far past the slowest sampled
+# step a step may run before the worker is declared hung.
+HANG_MIN_STEPS = 2
+HANG_FACTOR = 20.0
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -73,6 +83,15 @@ class _Connection:
         # When the worker last answered, or was sent a step while idle: the
         # watchdog measures how long the oldest pending step has been its turn.
         self.waiting_since = 0.0
+        self.answered = 0
+        self.slowest = 0.0  # the longest turn of a step it answered after its first
+
+    def answer(self, now: float) -> None:
+        """The oldest pending step was answered at ``now``."""
+        self.answered += 1
+        if self.answered > 1:
+            self.slowest = max(self.slowest, now - self.waiting_since)
+        self.waiting_since = now
 
     def requests(self):
         while (msg := self.outbox.get()) is not _STOP:
@@ -94,15 +113,20 @@ class RemoteExecutor(Executor):
         max_message_size: int = 256 << 20,
         connect_timeout: float = 120.0,
         step_timeout: float = 0.0,
+        hang_timeout: float = 0.0,
         secret: str | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         """``connect_timeout``: how long initialize waits for a worker to accept
         the connection; ``step_timeout`` (seconds, 0 = never): a worker that
-        leaves a step unanswered that long is declared hung."""
+        leaves a step unanswered that long is declared hung; ``hang_timeout``
+        (0 = off): the tighter bound once it has answered steps (see above)."""
         if not addresses:
             raise ValueError("RemoteExecutor needs at least one worker address (host:port)")
         if step_timeout < 0:
             raise ValueError(f"step_timeout must be >= 0, got {step_timeout}")
+        if hang_timeout < 0:
+            raise ValueError(f"hang_timeout must be >= 0, got {hang_timeout}")
         self._addresses = list(addresses)
         self._options = [
             ("grpc.max_send_message_length", max_message_size),
@@ -120,10 +144,15 @@ class RemoteExecutor(Executor):
         # an Initialize that a hung worker would leave unanswered.
         self._connecting: list[_Connection] = []
         self._init = worker_pb2.InitializeRequest(
-            model=model, dtype=dtype, device=device, attention_backend=attention_backend
+            model=model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,  # None leaves it unset: the worker's default
         )
         self._connect_timeout = connect_timeout
         self._step_timeout = step_timeout
+        self._hang_timeout = hang_timeout
         self._lock = threading.Lock()
         self._step_id = 0
         self._encoder = step_stream.SchedulerOutputEncoder()
@@ -148,7 +177,7 @@ class RemoteExecutor(Executor):
             self._connect_timeout,
             f"{flag}={self._connect_timeout:g} s" if flag else f"{self._connect_timeout:g} s",
         )
-        if self._step_timeout:
+        if self._step_timeout or self._hang_timeout:
             threading.Thread(
                 target=self._watch, daemon=True, name="tokenbudget-remote-watchdog"
             ).start()
@@ -182,7 +211,7 @@ class RemoteExecutor(Executor):
             if self._closed.is_set():
                 raise WorkerUnavailableError("the executor is shut down")
             self._connecting = conns
-        num_blocks, num_offload = [], []
+        num_blocks, num_offload, windows = [], [], set()
         try:
             for conn in conns:
                 try:
@@ -191,6 +220,7 @@ class RemoteExecutor(Executor):
                     reply = conn.stub.Initialize(self._init, metadata=self._metadata)
                     num_blocks.append(reply.num_blocks)
                     num_offload.append(reply.num_offload_blocks)
+                    windows.add(tuple(reply.kv_group_windows))
                 except grpc.FutureTimeoutError:
                     raise WorkerUnavailableError(
                         f"worker {conn.address}: initialize failed (nothing accepted the "
@@ -221,7 +251,8 @@ class RemoteExecutor(Executor):
             )
             conn.reader.start()
         # The smallest cache any worker has; host KV tier slots likewise (0: none).
-        return KVCacheSpec(min(num_blocks), min(num_offload))
+        # Ranks of one model have the same KV cache groups.
+        return KVCacheSpec(min(num_blocks), min(num_offload), min(windows))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         step = _Step(len(self._conns), list(scheduler_output.num_scheduled_tokens))
@@ -280,7 +311,7 @@ class RemoteExecutor(Executor):
                 if reply.error:  # the step stays pending: _fail fails it with the rest
                     raise WorkerUnavailableError(f"worker {conn.address}: {reply.error}")
                 step = conn.pending.popleft()
-                conn.waiting_since = time.monotonic()
+                conn.answer(time.monotonic())
                 if conn.rank == 0:
                     step.output = conn.decoder.decode(reply, step.req_ids)
                 with self._lock:
@@ -299,20 +330,33 @@ class RemoteExecutor(Executor):
                 self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"), conn)
 
     def _watch(self) -> None:
-        """Declare a worker hung when its oldest pending step has waited more
-        than step_timeout since the worker last answered."""
-        timeout = self._step_timeout
-        while not self._closed.wait(min(timeout / 4, 1.0)):
+        """Declare a worker hung when its oldest pending step has waited longer
+        than its bound (``step_bound``) since the worker last answered."""
+        bounds = [t for t in (self._step_timeout, self._hang_timeout) if t]
+        while not self._closed.wait(min(min(bounds) / 4, 1.0)):
             now = time.monotonic()
             for conn in list(self._conns):
-                if conn.pending and now - conn.waiting_since > timeout:
+                bound, why = self.step_bound(conn)
+                if conn.pending and bound and now - conn.waiting_since > bound:
                     self._fail(
                         WorkerUnavailableError(
                             f"worker {conn.address} did not answer a step within "
-                            f"--worker-step-timeout={timeout:g} s (hung or overloaded)"
+                            f"{why} (hung or overloaded)"
                         ),
                         conn,
                     )
+
+    def step_bound(self, conn: _Connection) -> tuple[float, str]:
+        """(seconds a step may go unanswered, 0 = no bound; what set it)."""
+        first = (self._step_timeout, f"--worker-step-timeout={self._step_timeout:g} s")
+        if not self._hang_timeout or conn.answered < HANG_MIN_STEPS:
+            return first
+        scaled = max(self._hang_timeout, HANG_FACTOR * conn.slowest)
+        if self._step_timeout and scaled >= self._step_timeout:
+            return first
+        if scaled > self._hang_timeout:
+            return scaled, f"{scaled:g} s ({HANG_FACTOR:g}x its slowest step)"
+        return scaled, f"--worker-hang-timeout={self._hang_timeout:g} s"
 
     def _fail(self, exc: WorkerUnavailableError, conn: _Connection) -> None:
         with self._lock:

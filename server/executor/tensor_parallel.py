@@ -130,13 +130,16 @@ class TensorParallelExecutor(RemoteExecutor):
         dtype: str = "auto",
         device: str = "",
         attention_backend: str = "auto",
+        enforce_eager: bool | None = None,
         threads: int | None = None,
         dist_timeout_s: float = 300.0,
         step_timeout: float = 0.0,
+        hang_timeout: float = 0.0,
     ) -> None:
         """``threads``: torch threads per rank (default: this process's share
         of torch's, so the ranks do not oversubscribe the cores);
-        ``step_timeout``: as RemoteExecutor's (0: rely on ``dist_timeout_s``)."""
+        ``step_timeout``, ``hang_timeout``: as RemoteExecutor's (0: rely on
+        ``dist_timeout_s``)."""
         from tokenbudget.worker.loader import check_supported
         from tokenbudget.core.utils.model_source import load_config
         from tokenbudget.worker.parallel.sharding import check_tensor_parallel_size
@@ -159,7 +162,9 @@ class TensorParallelExecutor(RemoteExecutor):
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
             step_timeout=step_timeout,
+            hang_timeout=hang_timeout,
         )
 
     def initialize(self, cache_config, scheduler_config) -> KVCacheSpec:

@@ -45,7 +45,7 @@ def _nested_dict(depth: int) -> dict:
         ({"presence_penalty": -3}, r"presence_penalty must be in \[-2, 2\], got -3"),
         ({"logit_bias": [1, 2]}, "logit_bias must be a dict of token id -> bias, got list"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias key must be >= 0, got -1"),
-        ({"logit_bias": {"x": 1.0}}, "logit_bias key must be an integer, got 'x'"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias key must be a token id \\(digits 0-9\\), got 'x'"),
         ({"logit_bias": {5: 101}}, r"logit_bias\[5\] must be in \[-100.0, 100.0\], got 101"),
         ({"logit_bias": {5: "big"}}, r"logit_bias\[5\] must be a finite number"),
         ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),

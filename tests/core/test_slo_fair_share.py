@@ -257,3 +257,25 @@ def test_slo_chunk_order_decodes_then_least_slack_then_late(make_scheduler, make
     # with "none", in running order).
     assert [r.request_id for r in order] == ["decode", "resumed", "tight", "loose", "none", "late"]
     assert sched._slo.chunk_order([reqs["decode"]], 10.0) == [reqs["decode"]]
+
+
+def test_fair_share_forgets_idle_tenants_it_owes_nothing(make_scheduler, make_request, step):
+    """A stream of distinct tenants, one after another, while tenant "a" keeps
+    decoding: the tenants that left are forgotten once "a" has caught up with
+    them (they would start at its virtual time anyway), so the table holds
+    the busy tenants and a few recent ones, not every tenant ever seen."""
+    sched = make_scheduler(fair_share=True, max_num_seqs=4)
+    fair = sched.policy.parts["fair_share"]
+    long = make_request("a0", 8, max_tokens=5000)
+    long.tenant = "a"
+    sched.add_request(long)
+    step(sched)
+    for i in range(300):
+        req = make_request(f"t{i}", 2, max_tokens=1)
+        req.tenant = f"tenant-{i}"
+        sched.add_request(req)
+        for _ in range(4):
+            step(sched)
+        assert f"t{i}" not in sched.requests
+    assert "a" in fair.vtime
+    assert len(fair.vtime) < 10, sorted(fair.vtime)

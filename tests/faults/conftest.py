@@ -48,8 +48,10 @@ Proc, spawn, spawn_server, free_port, wait_serving, listening_addresses = (
 )
 BIN, START_TIMEOUT = _helpers.BIN, _helpers.START_TIMEOUT
 
-# The remote server's hung-worker bound: far above a tiny model's step (ms),
-# short enough for a test.
+# The remote server's hung-worker bound once its worker has answered steps
+# (--worker-hang-timeout; the first-step allowance, --worker-step-timeout,
+# stays at its 300 s default): far above a tiny model's step (ms), short
+# enough for a test.
 STEP_TIMEOUT = 3.0
 # Shared by both servers: a single request runs the same steps on either, so
 # greedy tokens compare.
@@ -75,7 +77,7 @@ class Faults:
     secret_file: Path
     worker: Proc  # --worker-secret-file; killed and restarted by the tests
     worker_port: int
-    remote: Proc  # server --worker ... --worker-step-timeout STEP_TIMEOUT
+    remote: Proc  # server --worker ... --worker-hang-timeout STEP_TIMEOUT
     public: Proc  # in-process model; TLS + mTLS (when openssl exists), --api-key, limits
     tls: Tls | None
     reference: list[int]  # PROBE's greedy tokens on the fresh public server
@@ -239,7 +241,7 @@ def faults(tiny_qwen3_path, tmp_path_factory) -> Faults:
             f"127.0.0.1:{worker_port}",
             "--worker-secret-file",
             str(secret_file),
-            "--worker-step-timeout",
+            "--worker-hang-timeout",
             str(STEP_TIMEOUT),
             *KNOBS,
         ),
@@ -271,6 +273,8 @@ def faults(tiny_qwen3_path, tmp_path_factory) -> Faults:
             partial.reference = c.generate(
                 PROBE, max_tokens=PROBE_TOKENS, temperature=0, ignore_eos=True
             ).token_ids
+        with Client(partial.remote.address) as c:  # the worker has answered steps
+            c.generate(PROBE, max_tokens=4, temperature=0, ignore_eos=True)
     except Exception:
         for p in procs:
             p.stop()

@@ -576,6 +576,534 @@ CASES = [
 ]
 
 
+# Issue 26, items 5-12: client strings (request_id, tenant, cache_salt), constraints
+# that leave no token, gateway logit_bias keys. Ids are 500 kB, not 1 MB: the text
+# server's --max-message-size is 1 MiB.
+BIG = "i" * 500_000
+EOS = 2  # the tiny Qwen3's
+
+
+def _with(request, **fields):
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+def _sg_bias(key: str) -> sg.GenerateRequest:
+    return sg.GenerateRequest(
+        tokenized=sg.TokenizedInput(input_ids=[5]),
+        sampling_params=_sg_params(max_new_tokens=2, logit_bias={key: 1.0}),
+    )
+
+
+def _ids_cases() -> list[Case]:
+    long_id = "request_id is longer than max_id_bytes=256"
+    unprintable = "request_id holds a character that is not printable"
+    cases = [
+        Case("request_id 500 kB", lambda V: _with(_text(), request_id=BIG), words=long_id),
+        Case("request_id 257 bytes", lambda V: _with(_text(), request_id="r" * 257), words=long_id),
+        Case(
+            "request_id 258 UTF-8 bytes",
+            lambda V: _with(_text(), request_id="é" * 129),
+            words=long_id,
+        ),
+        Case(
+            "request_id 256 bytes is served",
+            lambda V: _with(_text(max_tokens=2, ignore_eos=True), request_id="r" * 256),
+            code=None,
+            served=lambda r: _length(r, 2),
+        ),
+        Case("tenant 500 kB", lambda V: _with(_text(), tenant=BIG), words="tenant is longer than"),
+        Case(
+            "tenant with a newline", lambda V: _with(_text(), tenant="a\nb"), words="tenant holds"
+        ),
+        Case(
+            "cache_salt 500 kB",
+            lambda V: _with(_text(), cache_salt=BIG),
+            words="cache_salt is longer",
+        ),
+        Case(
+            "embed request_id 500 kB",
+            lambda V: generate_pb2.EmbedRequest(request_id=BIG, text="hi"),
+            rpc="Embed",
+            words=long_id,
+        ),
+        Case(
+            "embed tenant with a tab",
+            lambda V: generate_pb2.EmbedRequest(tenant="a\tb", text="hi"),
+            rpc="Embed",
+            words="tenant holds",
+        ),
+        Case(
+            "abort of a 500 kB id",
+            lambda V: generate_pb2.AbortRequest(request_id=BIG),
+            rpc="Abort",
+            code=grpc.StatusCode.NOT_FOUND,
+            words="characters) is not a live request",
+        ),
+        Case(
+            "abort of an id with a newline",
+            lambda V: generate_pb2.AbortRequest(request_id="x\nINFO forged"),
+            rpc="Abort",
+            code=grpc.StatusCode.NOT_FOUND,
+            words="'x\\nINFO forged' is not a live request",
+        ),
+        Case(
+            "gateway: request_id 500 kB",
+            lambda V: _with(_sg_bias("5"), request_id=BIG),
+            rpc="SglangGenerate",
+            words=long_id,
+        ),
+        Case(
+            "gateway: request_id with a newline",
+            lambda V: _with(_sg_bias("5"), request_id="a\nb"),
+            rpc="SglangGenerate",
+            words=unprintable,
+        ),
+    ]
+    for name, control in (
+        ("newline", "\n"),
+        ("carriage return", "\r"),
+        ("NUL", "\0"),
+        ("escape", "\x1b"),
+        ("line separator", "\u2028"),
+    ):
+        cases.append(
+            Case(
+                f"request_id with a {name}",
+                lambda V, c=control: _with(_text(), request_id=f"id{c}INFO forged line"),
+                words=unprintable,
+            )
+        )
+    return cases
+
+
+def _constraint_cases() -> list[Case]:
+    no_token = "no token is allowed at this step"
+    return [
+        Case(
+            "allowed_token_ids only EOS with min_tokens",
+            lambda V: _text(allowed_token_ids=[EOS], min_tokens=4),
+            words=SP + "allowed_token_ids: every allowed token is an EOS or stop token",
+        ),
+        Case(
+            "allowed_token_ids only stop tokens with min_tokens",
+            lambda V: _text(allowed_token_ids=[7, 8], stop_token_ids=[7, 8], min_tokens=2),
+            words=SP + "allowed_token_ids: every allowed token is an EOS or stop token",
+        ),
+        Case(
+            "allowed_token_ids all bad words",
+            lambda V: _text(allowed_token_ids=[7, 8], bad_words_token_ids=[[7], [8]]),
+            words=SP + "allowed_token_ids: every allowed token is banned by bad_words",
+        ),
+        Case(
+            "choice that allowed_token_ids excludes",
+            lambda V: _text(
+                allowed_token_ids=[7],
+                structured=_structured(choice=common_pb2.ChoiceList(choices=["yes", "no"])),
+            ),
+            words=no_token,
+        ),
+        Case(
+            "bad words that ban every allowed token after one step",
+            lambda V: _text(
+                allowed_token_ids=[5, 7],
+                bad_words_token_ids=[[5], [7, 7]],
+                max_tokens=4,
+                ignore_eos=True,
+            ),
+            words=no_token,
+        ),
+        Case(
+            "random sampling with every allowed token banned mid-way",
+            lambda V: _text(
+                allowed_token_ids=[5, 7],
+                bad_words_token_ids=[[5], [7, 7]],
+                max_tokens=4,
+                ignore_eos=True,
+                temperature=1.0,
+                seed=3,
+            ),
+            words=no_token,
+        ),
+    ]
+
+
+def _gateway_bias_cases() -> list[Case]:
+    words = "logit_bias key must be a token id"
+    keys = {
+        "superscript two": "\u00b2",
+        "5000 digits": "9" * 5000,
+        "negative": "-1",
+        "letters": "abc",
+        "Arabic-Indic digit": "\u0663",
+        "spaces": " 12",
+    }
+    return [
+        Case(
+            f"gateway: logit_bias key {name}",
+            lambda V, k=key: _sg_bias(k),
+            rpc="SglangGenerate",
+            words=words,
+        )
+        for name, key in keys.items()
+    ]
+
+
+CASES += _ids_cases() + _constraint_cases() + _gateway_bias_cases()
+
+
+# Issue 26, items 1-3: the bounds on stop strings, bad words and structured specs
+# (server/engine/request_limits.py, default flags), each refused naming its field
+# before anything is tokenized, matched or compiled; at the bounds, served.
+KB300 = 300_000
+
+
+def _sg_text(**fields) -> sg.GenerateRequest:
+    return sg.GenerateRequest(
+        tokenized=sg.TokenizedInput(input_ids=[5]),
+        sampling_params=_sg_params(max_new_tokens=2, **fields),
+    )
+
+
+def _gateway_completed(responses: list) -> None:
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert "error" not in kinds and kinds[-1] == "complete", kinds
+
+
+def _samples_finished(responses: list, n: int) -> None:
+    assert [r.finish_reason for r in responses if r.finish_reason] == ["length"] * n
+
+
+def _request_cost_cases() -> list[Case]:
+    limit = "(the server's limit)"
+    served = {"code": None, "served": lambda r: _length(r, 4)}
+    short = {"max_tokens": 4, "ignore_eos": True}
+    structured_bound = "is longer than max_structured_bytes=262144 bytes"
+    return [
+        Case(
+            "1025 stop strings",
+            lambda V: _text(stop=[f"s{i}" for i in range(1025)]),
+            words=SP + f"stop: 1025 entries, more than max_stop_strings=1024 {limit}",
+        ),
+        Case(
+            "100k stop strings",
+            lambda V: _text(stop=[f"s{i}" for i in range(100_000)]),
+            words=SP + "stop: 100000 entries, more than max_stop_strings=1024",
+        ),
+        Case(
+            "stop string of 257 bytes",
+            lambda V: _text(stop=["ok", "s" * 257]),
+            words=SP + "stop[1] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "stop string of 86 three-byte characters",
+            lambda V: _text(stop=["\u6771" * 86]),
+            words=SP + "stop[0] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "stop string of 300 kB",
+            lambda V: _text(stop=["s" * KB300]),
+            words=SP + "stop[0] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "1024 stop strings of 256 bytes are served",
+            lambda V: _text(stop=[f"{i:04d}" + "z" * 252 for i in range(1024)], **short),
+            **served,
+        ),
+        Case(
+            "1025 bad words",
+            lambda V: _text(bad_words=[f"w{i}" for i in range(1025)]),
+            words=SP + f"bad_words: 1025 entries, more than max_bad_words=1024 {limit}",
+        ),
+        Case(
+            "100k bad words",
+            lambda V: _text(bad_words=[f"w{i}" for i in range(100_000)]),
+            words=SP + "bad_words: 100000 entries, more than max_bad_words=1024",
+        ),
+        Case(
+            "bad word of 257 bytes",
+            lambda V: _text(bad_words=["w" * 257]),
+            words=SP + "bad_words[0] is longer than max_bad_word_bytes=256",
+        ),
+        Case(
+            "bad word of 300 kB",
+            lambda V: _text(bad_words=["w" * KB300]),
+            words=SP + "bad_words[0] is longer than max_bad_word_bytes=256",
+        ),
+        Case(
+            "1025 bad word token id lists",
+            lambda V: _text(bad_words_token_ids=[[5]] * 1025),
+            words=SP + "bad_words_token_ids: 1025 entries, more than max_bad_words=1024",
+        ),
+        Case(
+            "bad words and token id lists past the bound together",
+            lambda V: _text(bad_words=["a"] * 600, bad_words_token_ids=[[5]] * 600),
+            words=SP + "bad_words and bad_words_token_ids: 1200 entries",
+        ),
+        Case(
+            "bad word token ids of 257 tokens",
+            lambda V: _text(bad_words_token_ids=[[5] * 257]),
+            words=SP + "bad_words_token_ids[0] has 257 tokens, more than max_bad_word_bytes=256",
+        ),
+        Case(
+            "1024 bad words of 200 bytes are served",
+            lambda V: _text(bad_words=[f"{i:04d}" + "b" * 196 for i in range(1024)], **short),
+            **served,
+        ),
+        Case(
+            "json_schema of 300 kB",
+            lambda V: _text(
+                structured=_structured(
+                    json_schema='{"type": "string", "description": "' + "d" * KB300 + '"}'
+                )
+            ),
+            words=SP + "structured.json_schema " + structured_bound,
+        ),
+        Case(
+            "regex of 300 kB",
+            lambda V: _text(structured=_structured(regex="a" * KB300)),
+            words=SP + "structured.regex " + structured_bound,
+        ),
+        Case(
+            "grammar of 300 kB",
+            lambda V: _text(structured=_structured(grammar='root ::= "' + "a" * KB300 + '"')),
+            words=SP + "structured.grammar " + structured_bound,
+        ),
+        Case(
+            "choice of 100k entries",
+            lambda V: _text(
+                structured=_structured(
+                    choice=common_pb2.ChoiceList(choices=[f"c{i}" for i in range(100_000)])
+                )
+            ),
+            words=SP + "structured.choice " + structured_bound,
+        ),
+        Case(
+            "choice of one 300 kB entry",
+            lambda V: _text(
+                structured=_structured(choice=common_pb2.ChoiceList(choices=["c" * KB300]))
+            ),
+            words=SP + "structured.choice " + structured_bound,
+        ),
+        Case(
+            "stop string of 64 four-byte characters is served",
+            lambda V: _text(stop=["\U0001f642" * 64], **short),
+            **served,
+        ),
+        Case(
+            "stop string of 65 four-byte characters",
+            lambda V: _text(stop=["\U0001f642" * 65]),
+            words=SP + "stop[0] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "bad word of 86 three-byte characters",
+            lambda V: _text(bad_words=["\u6771" * 86]),
+            words=SP + "bad_words[0] is longer than max_bad_word_bytes=256",
+        ),
+        Case(
+            "1024 bad word token id lists are served",
+            lambda V: _text(bad_words_token_ids=[[5, 7 + i % 50] for i in range(1024)], **short),
+            **served,
+        ),
+        Case(
+            "json_schema of 300 kB in three-byte characters",
+            lambda V: _text(
+                structured=_structured(json_schema='{"description": "' + "\u6771" * 100_000 + '"}')
+            ),
+            words=SP + "structured.json_schema " + structured_bound,
+        ),
+        Case(
+            "grammar of 300 kB in three-byte characters",
+            lambda V: _text(
+                structured=_structured(grammar='root ::= "' + "\u6771" * 100_000 + '"')
+            ),
+            words=SP + "structured.grammar " + structured_bound,
+        ),
+        Case(
+            "choice of three 100 kB entries",
+            lambda V: _text(
+                structured=_structured(choice=common_pb2.ChoiceList(choices=["c" * 100_000] * 3))
+            ),
+            words=SP + "structured.choice " + structured_bound,
+        ),
+        Case(
+            "gateway: 100k stop strings",
+            lambda V: _sg_text(stop=[f"s{i}" for i in range(100_000)]),
+            rpc="SglangGenerate",
+            words="stop: 100000 entries, more than max_stop_strings=1024",
+        ),
+        Case(
+            "gateway: stop string of 300 kB",
+            lambda V: _sg_text(stop=["s" * KB300]),
+            rpc="SglangGenerate",
+            words="stop[0] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "gateway: 1024 stop strings are served",
+            lambda V: _sg_text(stop=[f"{i:04d}#" for i in range(1024)]),
+            rpc="SglangGenerate",
+            code=None,
+            served=_gateway_completed,
+        ),
+        Case(
+            "1024 copies of one stop string are served",
+            lambda V: _text(stop=["zq#"] * 1024, **short),
+            **served,
+        ),
+        Case(
+            "stop strings that begin one another are served",
+            lambda V: _text(stop=["z" * k for k in range(1, 257)], **short),
+            **served,
+        ),
+        Case(
+            "1024 stop strings kept in the output are served",
+            lambda V: _text(
+                stop=[f"{i:04d}#" for i in range(1024)], include_stop_str_in_output=True, **short
+            ),
+            **served,
+        ),
+        Case(
+            "1024 stop strings for 4 samples are served",
+            lambda V: _text(stop=[f"{i:04d}#" for i in range(1024)], n=4, **short),
+            code=None,
+            served=lambda r: _samples_finished(r, 4),
+        ),
+        Case(
+            "1024 stop strings after min_tokens are served",
+            lambda V: _text(stop=[f"{i:04d}#" for i in range(1024)], min_tokens=3, **short),
+            **served,
+        ),
+        Case(
+            "1024 stop strings and 1024 bad words together are served",
+            lambda V: _text(
+                stop=[f"{i:04d}#" for i in range(1024)],
+                bad_words=[f"{i:04d}%" for i in range(1024)],
+                **short,
+            ),
+            **served,
+        ),
+        Case(
+            "bad word of 256 bytes is served",
+            lambda V: _text(bad_words=["b" * 256], **short),
+            **served,
+        ),
+        Case(
+            "bad word of only spaces is served",
+            lambda V: _text(bad_words=["   "], **short),
+            **served,
+        ),
+        Case(
+            "bad word token ids of 256 tokens are served",
+            lambda V: _text(bad_words_token_ids=[[5] * 256], **short),
+            **served,
+        ),
+        Case(
+            "regex of 300 kB in three-byte characters",
+            lambda V: _text(structured=_structured(regex="\u6771" * 100_000)),
+            words=SP + "structured.regex " + structured_bound,
+        ),
+        Case(
+            "choice of 100k empty strings",
+            lambda V: _text(
+                structured=_structured(choice=common_pb2.ChoiceList(choices=[""] * 100_000))
+            ),
+            words=SP + "structured.choice",
+        ),
+        Case(
+            "gateway: json_schema of 300 kB in three-byte characters",
+            lambda V: _sg_text(json_schema='{"description": "' + "\u6771" * 100_000 + '"}'),
+            rpc="SglangGenerate",
+            words="structured.json_schema " + structured_bound,
+        ),
+        Case(
+            "gateway: regex of 300 kB in three-byte characters",
+            lambda V: _sg_text(regex="\u6771" * 100_000),
+            rpc="SglangGenerate",
+            words="structured.regex " + structured_bound,
+        ),
+        Case(
+            "gateway: 1024 stop strings of 256 bytes are served",
+            lambda V: _sg_text(stop=[f"{i:04d}" + "z" * 252 for i in range(1024)]),
+            rpc="SglangGenerate",
+            code=None,
+            served=_gateway_completed,
+        ),
+        Case(
+            "json_schema one byte past the bound",
+            lambda V: _text(
+                structured=_structured(
+                    json_schema='{"description": "'
+                    + "d" * (262144 - len('{"description": ""}') + 1)
+                    + '"}'
+                )
+            ),
+            words=SP + "structured.json_schema " + structured_bound,
+        ),
+        Case(
+            "stop string of 128 two-byte characters is served",
+            lambda V: _text(stop=["\u00e9" * 128], **short),
+            **served,
+        ),
+        Case(
+            "bad word of 129 two-byte characters",
+            lambda V: _text(bad_words=["\u00e9" * 129]),
+            words=SP + "bad_words[0] is longer than max_bad_word_bytes=256",
+        ),
+        Case(
+            "1024 bad word token id lists of 256 tokens are served",
+            lambda V: _text(
+                bad_words_token_ids=[[5] * 255 + [7 + i % 50] for i in range(1024)], **short
+            ),
+            **served,
+        ),
+        Case(
+            "1024 bad words with leading spaces are served",
+            lambda V: _text(bad_words=[f"   w{i}" for i in range(1024)], **short),
+            **served,
+        ),
+        Case(
+            "gateway: stop string of 129 two-byte characters",
+            lambda V: _sg_text(stop=["\u00e9" * 129]),
+            rpc="SglangGenerate",
+            words="stop[0] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "gateway: 1025 stop strings",
+            lambda V: _sg_text(stop=[f"s{i}" for i in range(1025)]),
+            rpc="SglangGenerate",
+            words="stop: 1025 entries, more than max_stop_strings=1024",
+        ),
+        Case(
+            "gateway: stop string of 257 bytes",
+            lambda V: _sg_text(stop=["s" * 257]),
+            rpc="SglangGenerate",
+            words="stop[0] is longer than max_stop_string_bytes=256",
+        ),
+        Case(
+            "gateway: json_schema of 300 kB",
+            lambda V: _sg_text(json_schema='{"description": "' + "d" * KB300 + '"}'),
+            rpc="SglangGenerate",
+            words="structured.json_schema " + structured_bound,
+        ),
+        Case(
+            "gateway: regex of 300 kB",
+            lambda V: _sg_text(regex="a" * KB300),
+            rpc="SglangGenerate",
+            words="structured.regex " + structured_bound,
+        ),
+        Case(
+            "gateway: ebnf_grammar of 300 kB",
+            lambda V: _sg_text(ebnf_grammar='root ::= "' + "a" * KB300 + '"'),
+            rpc="SglangGenerate",
+            words=structured_bound,
+        ),
+    ]
+
+
+CASES += _request_cost_cases()
+
+
 def _with_params(request: generate_pb2.GenerateRequest, **params) -> generate_pb2.GenerateRequest:
     for name, value in params.items():
         setattr(request.sampling_params, name, value)
@@ -641,6 +1169,8 @@ def test_every_bad_input_is_answered_with_a_status_naming_the_field(channels, vo
             why = f"got {code.name} {message!r}"
         if _LEAKS.search(message):
             ok, why = False, f"internal details in {message!r}"
+        if len(message) > 1000:  # client strings are quoted, not echoed whole
+            ok, why = False, f"a {len(message)}-character message: {message[:200]!r}..."
         if "sampling_params.sampling_params" in message:
             ok, why = False, f"the field named twice in {message!r}"
         if took > 10:

@@ -198,6 +198,8 @@ def test_killed_worker_fails_streams_fast_and_a_restarted_one_is_served_again(fa
 
 # -- a worker that hangs -------------------------------------------------------------------
 def test_stopped_worker_is_declared_hung_and_serves_again_when_it_continues(faults):
+    """Once the worker has answered steps, a hang is found within
+    --worker-hang-timeout (3 s here), not the 300 s first-step allowance."""
     outcomes, threads = _start_streams(faults.remote.address)
     stopped_at = time.monotonic()
     faults.worker.proc.send_signal(signal.SIGSTOP)
@@ -205,7 +207,7 @@ def test_stopped_worker_is_declared_hung_and_serves_again_when_it_continues(faul
         # The watchdog looks every STEP_TIMEOUT / 4 seconds.
         _check_failed_fast(outcomes, threads, stopped_at, bound=STEP_TIMEOUT + 3.0)
         assert all(
-            "did not answer a step within --worker-step-timeout=3 s" in details
+            "did not answer a step within --worker-hang-timeout=3 s" in details
             for _, _, details in outcomes
         ), outcomes
         with Client(faults.remote.address) as c, grpc.insecure_channel(faults.remote.address) as ch:

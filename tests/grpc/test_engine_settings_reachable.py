@@ -44,8 +44,12 @@ OTHER_VALUE = {
 # The value a setting holds in its config when given as in OTHER_VALUE, where they differ.
 IN_CONFIG = {"speculative_config": SpeculativeConfig("ngram", 3, 2, 4)}
 
+# Fields the engine derives from the workers (metadata "derived") are no settings.
 FIELDS = [
-    (config, f) for config in (SchedulerConfig, CacheConfig) for f in dataclasses.fields(config)
+    (config, f)
+    for config in (SchedulerConfig, CacheConfig)
+    for f in dataclasses.fields(config)
+    if not f.metadata.get("derived")
 ]
 
 

@@ -21,6 +21,7 @@ from tokenbudget.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from tokenbudget.core.lora import LoRARequest
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.proto import common_pb2, convert, step_stream, worker_pb2
 from tokenbudget.proto.generate import PROTO_DIR, generate
@@ -74,6 +75,7 @@ def _scheduler_output() -> SchedulerOutput:
             lora_id=2,
             eos_token_id=11,
             pooling_params=PoolingParams("MEAN", False),
+            lora_request=LoRARequest("sql", 2, "/adapters/sql"),
         ),
     ]
     cached = CachedRequestData(

@@ -102,11 +102,15 @@ def test_remote_worker_loops_give_the_in_process_sync_tokens_and_async_overlaps(
 
     recorder: list = []
 
-    def held_worker(model, dtype, device, attention_backend):
+    def held_worker(model, dtype, device, attention_backend, **options):
         # The worker (in this process, behind a real gRPC server) holds each
         # step until the engine has sent another: it sees the overlap itself.
         worker = Worker(
-            model, dtype=dtype, device=device or None, attention_backend=attention_backend
+            model,
+            dtype=dtype,
+            device=device or None,
+            attention_backend=attention_backend,
+            **options,
         )
         worker.execute_model = recorder[0].hold_until_another_sent(worker.execute_model)
         return worker

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from tokenbudget.core.pooling_params import PoolerConfig
+from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.proto import generate_pb2
 from tokenbudget.server.entrypoints import cli
 from tokenbudget.server.engine.args import EngineArgs
+from tokenbudget.server.engine.request_limits import RequestLimits
 from tokenbudget.server.entrypoints.grpc.generation import GenerationServicer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -37,7 +39,7 @@ SETTINGS = [
     (["--no-async-scheduling"], lambda s: s.sched.async_scheduling is False),
     (["--enable-chunked-prefill"], lambda s: s.args.enable_chunked_prefill is True),
     (["--max-num-partial-prefills", "1"], lambda s: s.args.max_num_partial_prefills == 1),
-    (["--enforce-eager"], lambda s: s.args.enforce_eager is True),  # no graphs: a no-op
+    (["--enforce-eager"], lambda s: s.args.enforce_eager is True),  # no compile, no graphs
     (["--trust-remote-code"], lambda s: s.args.trust_remote_code is True),
     (["--disable-log-stats"], lambda s: s.metrics.stats_logger.interval == 0),
     (["--enable-log-requests"], lambda s: s.metrics.stats_logger.request_level == logging.INFO),
@@ -233,12 +235,6 @@ REFUSED = [
         ["--load-format", "gguf"],
         "--load-format gguf is not supported: checkpoints load with transformers",
     ),
-    (["--enable-lora"], "--enable-lora is not supported: LoRA adapters are not supported yet"),
-    (
-        ["--lora-modules", "sql=/adapters/sql"],
-        "--lora-modules sql=/adapters/sql is not supported: LoRA",
-    ),
-    (["--max-lora-rank", "64"], "--max-lora-rank 64 is not supported: LoRA"),
     (
         ["--uvicorn-log-level", "debug"],
         "--uvicorn-log-level debug is not supported: this "
@@ -450,6 +446,17 @@ def flagged_engine(tiny_model, tmp_path_factory):
             "123456",
             "--grammar-compile-timeout-s",
             "7",
+            # Request string limits (issue 26).
+            "--max-stop-strings",
+            "11",
+            "--max-stop-string-bytes",
+            "12",
+            "--max-bad-words",
+            "13",
+            "--max-bad-word-bytes",
+            "14",
+            "--max-structured-bytes",
+            "15000",
         ]
     )
     engine = cli.build_engine(ns)
@@ -492,6 +499,9 @@ def test_input_limit_flags_reach_the_engine(flagged_engine):
     ) == (1000, 3000, 5000, 256)
     manager = engine.core.scheduler.structured_output_manager
     assert (manager.cache_bytes, manager.compile_timeout_s) == (123456, 7.0)
+    assert processor.request_limits == RequestLimits(11, 12, 13, 14, 15000)
+    with pytest.raises(ValueError, match=r"^stop: 12 entries, more than max_stop_strings=11"):
+        processor.check_params(SamplingParams(stop=["s"] * 12))
     with pytest.raises(
         ValueError,
         match="prompt: the prompt is 5001 bytes, more than "
@@ -511,6 +521,7 @@ def test_input_limit_flags_reach_the_engine(flagged_engine):
         "max_image_pixels": 1000,
         "max_image_pixels_per_request": 3000,
         "max_images_per_prompt": 3,
+        "request_limits": RequestLimits(),
     }
     with pytest.raises(ValueError, match="max_image_pixels must be >= 1, got 0"):
         EngineArgs.from_kwargs("m", max_image_pixels=0)

@@ -267,3 +267,34 @@ def test_history_counts_the_drafts_before_a_verifying_row_as_output():
     batch.token_ids[row, 4:6] = [20, 21]  # drafts, as ModelRunner._prepare writes them
     history = batch.history(np.array([row] * 3), np.array([3] * 3), np.arange(3))
     assert [history.output(t).tolist() for t in range(3)] == [[8], [8, 20], [8, 20, 21]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_no_allowed_token_samples_no_token_and_the_others_are_untouched(temperature):
+    """allowed_token_ids that bad words ban after the row's last output token:
+    that row samples NO_TOKEN (never a banned id such as 0); the other rows,
+    greedy or seeded, sample as before, and their logprobs are still given."""
+    from tokenbudget.worker.sampler import NO_TOKEN
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    params = [
+        SamplingParams(temperature=temperature, seed=1, logprobs=2),
+        SamplingParams(
+            temperature=temperature,
+            seed=2,
+            allowed_token_ids=[5, 7],
+            bad_words_token_ids=[[5], [7, 7]],
+            logprobs=2,
+        ),
+        SamplingParams(temperature=0.0, logprobs=2),
+    ]
+    gens = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+    history = make_history([[1, 2]] * 3, [[3], [7], [4]])
+    md = SamplingMetadata.from_params(params, gens, "cpu", history)
+    out = Sampler()(logits, md)
+    sampled = out.sampled_token_ids.tolist()
+    assert sampled[1] == NO_TOKEN
+    assert sampled[2] == logits[2].argmax().item()
+    assert 0 <= sampled[0] < VOCAB
+    assert out.logprobs.shape == (3, 3)

@@ -22,7 +22,13 @@ ENGINE_NAME = {
     "kv_offload_memory_bytes": "kv_offload_memory",
 }
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
-CONFIG_FIELDS = [f for config in (SchedulerConfig, CacheConfig) for f in dataclasses.fields(config)]
+# Fields the engine derives from the workers (metadata "derived") are no settings.
+CONFIG_FIELDS = [
+    f
+    for config in (SchedulerConfig, CacheConfig)
+    for f in dataclasses.fields(config)
+    if not f.metadata.get("derived")
+]
 # The settings that are flags: EngineArgs' fields (not its policy_options dict) and
 # SchedulerConfig's policy options.
 FLAG_FIELDS = [f for f in dataclasses.fields(EngineArgs) if f.name != "policy_options"] + [

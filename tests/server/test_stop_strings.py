@@ -183,3 +183,75 @@ def test_a_stop_tokens_text_shows_only_with_include_stop_str_in_output(stop_reas
             "stop",
             "cx" if include and stop else stop_reason,
         )
+
+
+def _reference_deltas(pieces, chunks, stop, include, min_tokens):
+    """The streamed deltas by the per-string rule (every string searched and
+    checked for hold-back on every token), as the matcher was before issue 26."""
+    text, sent, deltas = "", 0, []
+    for start in range(0, len(pieces), chunks):
+        stopped = False
+        for k in range(start, min(start + chunks, len(pieces))):
+            before = len(text)
+            text += pieces[k]
+            if k + 1 <= min_tokens:
+                continue
+            hits = [(text.find(s, max(0, before - len(s) + 1)), i, s) for i, s in enumerate(stop)]
+            hits = [(i, j, s) for i, j, s in hits if i >= 0]
+            if hits:
+                i, _, s = min(hits)
+                text = text[: i + len(s)] if include else text[:i]
+                stopped = True
+                break
+        last = stopped or start + chunks >= len(pieces)
+        held = 0
+        if not include and not last:
+            unsent = text[sent:]
+            held = max(
+                (
+                    k
+                    for s in stop
+                    for k in range(1, min(len(s) - 1, len(unsent)) + 1)
+                    if unsent.endswith(s[:k])
+                ),
+                default=0,
+            )
+        deltas.append(text[sent : len(text) - held])
+        sent = len(text) - held
+        if stopped:
+            break
+    return [d for d in deltas]
+
+
+def test_many_overlapping_stop_strings_stream_as_the_per_string_rule():
+    """The automaton (one pass, any number of strings) streams exactly what
+    searching each string on every token did: the same cut, the same stop
+    string (the earliest, then the first listed), the same hold-back."""
+    rng = random.Random(1)
+    alphabet = "abcEND"
+    for _ in range(400):
+        stop = [
+            "".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in range(rng.randint(1, 40))
+        ]
+        pieces = [
+            "".join(rng.choices(alphabet, k=rng.randint(1, 3))) for _ in range(rng.randint(1, 15))
+        ]
+        vocab = sorted(set(pieces))
+        chunks = rng.choice([1, 2, 3])
+        include = rng.random() < 0.5
+        min_tokens = rng.choice([0, 0, 2])
+        params = SamplingParams(
+            max_tokens=100, stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens
+        )
+        state = SampleState(0, params, CharDetokenizer(vocab))
+        ids = [vocab.index(p) for p in pieces]
+        deltas = []
+        for start in range(0, len(ids), chunks):
+            last = start + chunks >= len(ids)
+            out = RequestOutput("r", ids[start : start + chunks], "length" if last else None)
+            delta = state.update([out])
+            deltas.append(delta.text if delta is not None else "")
+            if delta is not None and delta.finish_reason is not None:
+                break
+        expected = _reference_deltas(pieces, chunks, stop, include, min_tokens)
+        assert deltas == expected, (pieces, chunks, stop, include, min_tokens)

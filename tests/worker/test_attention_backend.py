@@ -84,8 +84,10 @@ def test_self_check_refuses_a_flash_attn_that_raises_on_import(monkeypatch):
 @pytest.fixture
 def found(monkeypatch):
     """flash-attn is installed (found on the path); ``found(problem)`` sets
-    what its self-check says."""
+    what its self-check says. Triton is absent (test_triton_attention.py
+    covers auto's choice of it)."""
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attention, "triton_problem", lambda device: "not installed")
 
     def set_problem(problem):
         monkeypatch.setattr(attention, "flash_attn_problem", lambda device, dtype: problem)
@@ -97,7 +99,8 @@ def test_auto_picks_flash_attn_only_when_its_self_check_passes(found):
     found(None)
     assert attention.resolve_backend("auto", CUDA, torch.bfloat16) == "flash_attn"
     assert attention.resolve_backend("auto", CUDA, torch.float32) == "sdpa"  # no fp32 kernels
-    assert attention.resolve_backend("auto", CPU, torch.bfloat16) == "sdpa"
+    # On CPU auto picks the cpu kernel or SDPA (test_cpu_attention.py), never flash-attn.
+    assert attention.resolve_backend("auto", CPU, torch.bfloat16) in ("cpu", "sdpa")
 
 
 def test_auto_falls_back_to_sdpa_with_a_warning_when_flash_attn_is_broken(found, caplog):
@@ -116,6 +119,7 @@ def test_asking_for_a_broken_flash_attn_says_why(found):
 
 def test_auto_does_not_run_the_self_check_when_flash_attn_is_not_installed(monkeypatch):
     monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(attention, "triton_problem", lambda device: "not installed")
     monkeypatch.setattr(
         attention, "flash_attn_problem", lambda device, dtype: pytest.fail("self-check run")
     )
@@ -140,7 +144,8 @@ def test_flash_attn_with_blocks_it_cannot_page_warns_at_kv_allocation(
     from tokenbudget.worker.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_qwen3_path, dtype="float32", device="cpu")
-    runner.attention_backend = backend  # as resolved on a GPU; allocation is the same
+    # As resolved on a GPU (and asked for: auto would be resolved again); allocation is the same.
+    runner.attention_backend = runner.attention_backend_choice = backend
     with caplog.at_level("WARNING"):
         runner.initialize_kv_cache(
             CacheConfig(block_size=block_size, num_blocks=4), SchedulerConfig(max_model_len=64)

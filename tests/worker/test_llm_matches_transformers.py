@@ -30,8 +30,18 @@ def make_llm(path, **kwargs) -> LLM:
         {"max_num_batched_tokens": 64},  # chunked prefill
         {"async_scheduling": True},  # worker feeds its own tokens
         {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 24, "block_size": 4},
+        # The compiled decoder (worker/compiled.py): one trace for every step.
+        {"max_num_batched_tokens": 64, "enforce_eager": False},
+        {"async_scheduling": True, "enforce_eager": False},
     ],
-    ids=["one-batch", "chunked-prefill", "async", "small-chunks-small-blocks"],
+    ids=[
+        "one-batch",
+        "chunked-prefill",
+        "async",
+        "small-chunks-small-blocks",
+        "compiled-chunked-prefill",
+        "compiled-async",
+    ],
 )
 def test_greedy_batch_equals_transformers_generate(
     tiny_qwen3_path, prompts, hf_greedy_16, overlap_recorder, engine_args
@@ -43,6 +53,8 @@ def test_greedy_batch_equals_transformers_generate(
     overlaps = recorder.num_overlapped_steps
     assert overlaps >= 10 if engine_args.get("async_scheduling") else overlaps == 0
     assert [r.token_ids for r in results] == hf_greedy_16
+    compiled = llm.engine.executor.worker.model_runner.compiled
+    assert (compiled is not None) == (engine_args.get("enforce_eager") is False)
     assert all(r.finish_reason == "length" for r in results)
     assert [r.prompt_token_ids for r in results] == prompts
 

@@ -13,7 +13,8 @@ timeout); joining the group, by at least JOIN_TIMEOUT_S. Between steps the other
 ranks sit in a control broadcast; so that an idle server is not mistaken for a
 dead rank 0, rank 0 sends a heartbeat when it has sent nothing for
 ``timeout_s / 4`` seconds. A rank that died closes its sockets, so a peer's
-next collective fails at once rather than at the timeout.
+next collective fails at once rather than at the timeout. A ``tcp://HOST:PORT``
+rendezvous store listens on HOST only (rendezvous.py), not on every interface.
 A broken group cannot be mended in place (a gloo or NCCL group cannot replace a
 member): ranks exit, and the group is restarted whole.
 """
@@ -28,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tokenbudget.worker.parallel.rendezvous import bound_store, parse_tcp_init
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +58,15 @@ class TensorParallelGroup:
         self.heartbeat_s = timeout_s / 4
         # Joining may wait for ranks still starting (other hosts, slow imports):
         # at least JOIN_TIMEOUT_S. Every collective after it waits timeout_s at most.
+        join_timeout = max(self.timeout, timedelta(seconds=JOIN_TIMEOUT_S))
+        tcp = parse_tcp_init(init_method)
+        rendezvous = (
+            {"store": bound_store(*tcp, rank, world_size, join_timeout)}
+            if tcp is not None
+            else {"init_method": init_method}
+        )
         dist.init_process_group(
-            "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=max(self.timeout, timedelta(seconds=JOIN_TIMEOUT_S)),
+            "gloo", rank=rank, world_size=world_size, timeout=join_timeout, **rendezvous
         )
         self.control = dist.new_group(backend="gloo", timeout=self.timeout)
         self.compute = None

@@ -43,6 +43,7 @@ class RankInit:
     device: str
     attention_backend: str
     seed: int
+    enforce_eager: bool | None = None
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -68,6 +69,7 @@ def build_rank_worker(group: TensorParallelGroup, init: RankInit):
         attention_backend=init.attention_backend or "auto",
         seed=init.seed,
         parallel=group,
+        enforce_eager=init.enforce_eager,
     )
 
 
@@ -85,6 +87,7 @@ class DriverWorker:
         dtype: str = "auto",
         device: str = "",
         attention_backend: str = "auto",
+        enforce_eager: bool | None = None,
         on_broken: Callable[[BaseException], None],
     ) -> None:
         from tokenbudget.worker.loader import check_supported
@@ -97,7 +100,14 @@ class DriverWorker:
         config = load_config(model)
         check_supported(config, model)
         check_tensor_parallel_size(config.get_text_config(), group.world_size)
-        init = RankInit(model, dtype, device, attention_backend, seed=random.getrandbits(63))
+        init = RankInit(
+            model,
+            dtype,
+            device,
+            attention_backend,
+            seed=random.getrandbits(63),
+            enforce_eager=enforce_eager,
+        )
         self.worker = self._collective("init", init, lambda: build_rank_worker(group, init))
 
     def initialize(
@@ -234,16 +244,19 @@ def _join(args) -> TensorParallelGroup:
 
 def _driver_factory(
     group: TensorParallelGroup, on_broken: Callable[[BaseException], None]
-) -> Callable[[str, str, str, str], DriverWorker]:
+) -> Callable[..., DriverWorker]:
     """serve's worker_factory on rank 0: a DriverWorker over ``group``."""
 
-    def factory(model: str, dtype: str, device: str, attention_backend: str) -> DriverWorker:
+    def factory(
+        model: str, dtype: str, device: str, attention_backend: str, *, enforce_eager: bool | None
+    ) -> DriverWorker:
         return DriverWorker(
             group,
             model,
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
             on_broken=on_broken,
         )
 

@@ -26,10 +26,17 @@ from tokenbudget.core.structured.manager import GrammarTimeoutError
 from tokenbudget.proto import common_pb2, convert, generate_pb2, generate_pb2_grpc
 from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenbudget.server.engine.streams import RequestStream
+from tokenbudget.server.entrypoints.grpc.admission import Admission, admit
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
 from tokenbudget.server.entrypoints.grpc.generation_replies import Replies, embed_response
 from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
+from tokenbudget.server.entrypoints.grpc.lora_rpcs import AioLoRARPCs, LoRARPCs
 from tokenbudget.server.engine.request_builder import build_pooling_request, make_requests
+from tokenbudget.server.engine.client_strings import (
+    DEFAULT_MAX_ID_BYTES,
+    check_client_strings,
+    quoted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +63,11 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return next(code for t, code in _STATUS_OF_ERROR if isinstance(exc, t)), public_message(exc)
 
 
-class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+class GenerationServicer(LoRARPCs, generate_pb2_grpc.GenerationServicer):
     """For a thread-pool grpc.Server: one handler thread per live stream."""
+
+    # The longest request_id, tenant and cache_salt (the server's --max-id-bytes).
+    max_id_bytes = DEFAULT_MAX_ID_BYTES
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -73,8 +83,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             refused_bytes.add(request.ByteSize())
             return
         rid = stream.request_id
-        # A client that cancels or disconnects frees its KV within one step.
-        context.add_callback(lambda: self.engine.abort(rid))
+        # A client that cancels or disconnects frees its KV within one step;
+        # one that left while its request was prepared gets no callback.
+        if not context.add_callback(lambda: self.engine.abort(rid)):
+            self.engine.abort(rid)
+            return
         reply = Replies(req, rid)
         try:
             for chunk in stream:
@@ -82,21 +95,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except _SERVED_ERRORS as exc:
             refuse(context, *_status_of(exc))
 
-    def _submit(self, request: generate_pb2.GenerateRequest) -> tuple[Request, RequestStream]:
-        """Returns the first sample's Request (they share the prompt) and the stream."""
+    def _submit(
+        self, request: generate_pb2.GenerateRequest, admission: Admission | None = None
+    ) -> tuple[Request, RequestStream]:
+        """Returns the first sample's Request (they share the prompt) and the
+        stream; with an ``admission``, only while its client is there."""
         if self.draining.is_set():
             raise EngineDeadError("the server is shutting down")
         rid, requests = self._make_requests(request)
-        return requests[0], self.engine.add_request(requests, request_id=rid)
+        add = self.engine.add_request if admission is None else admission.add_request
+        return requests[0], add(requests, request_id=rid)
 
     def _make_requests(self, request: generate_pb2.GenerateRequest) -> tuple[str, list[Request]]:
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         if not rid:
             raise ValueError("request_id must not be empty (leave it unset to get one)")
-        try:
-            params = convert.sampling_params_from_proto(
-                request.sampling_params, self.engine.sampling_defaults
+        sp = request.sampling_params
+        try:  # counts first: 100k strings are not worth making into Python objects
+            self.engine.input_processor.request_limits.check_counts(
+                len(sp.stop), len(sp.bad_words), len(sp.bad_words_token_ids)
             )
+            params = convert.sampling_params_from_proto(sp, self.engine.sampling_defaults)
         except ValueError as exc:
             raise ValueError(f"sampling_params.{exc}") from None
         prompt = self._prompt(request)
@@ -106,6 +125,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             for name in _OPTIONAL_REQUEST_FIELDS
             if request.HasField(name)
         }
+        check_client_strings(rid, options, self.max_id_bytes)
+        if request.HasField("lora_name"):
+            options["lora_request"] = self._lora_request(request.lora_name)
         return rid, make_requests(
             self.engine, rid, prompt, params, priority=request.priority, **options
         )
@@ -162,7 +184,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             refuse(context, grpc.StatusCode.ABORTED, _aborted(rid))
         return reply
 
-    def _submit_embed(self, request: generate_pb2.EmbedRequest) -> tuple[Request, RequestStream]:
+    def _submit_embed(
+        self, request: generate_pb2.EmbedRequest, admission: Admission | None = None
+    ) -> tuple[Request, RequestStream]:
         if self.draining.is_set():
             raise EngineDeadError("the server is shutting down")
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
@@ -191,6 +215,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             for name in ("cache_salt", "tenant")
             if request.HasField(name)
         }
+        check_client_strings(rid, options, self.max_id_bytes)
         req = build_pooling_request(
             self.engine.input_processor,
             rid,
@@ -200,7 +225,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             priority=request.priority,
             **options,
         )
-        return req, self.engine.add_request(req, request_id=rid, detokenize=False)
+        add = self.engine.add_request if admission is None else admission.add_request
+        return req, add(req, request_id=rid, detokenize=False)
 
     # -- the other RPCs -------------------------------------------------------------------
     def Abort(self, request: generate_pb2.AbortRequest, context: grpc.ServicerContext):
@@ -260,10 +286,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             async_scheduling=sched.async_scheduling,
             policy=sched.policy,
             num_workers=e.num_remote_workers,
+            lora_adapters=self._lora_adapters(),
         )
 
 
-class AioGenerationServicer(GenerationServicer):
+class AioGenerationServicer(AioLoRARPCs, GenerationServicer):
     """For a grpc.aio server: every stream is a coroutine on one event loop.
 
     A thread per stream costs two thread wake-ups and a condition variable
@@ -274,9 +301,7 @@ class AioGenerationServicer(GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         try:  # off the loop: tokenizing a long prompt or an image takes milliseconds
-            req, stream = await asyncio.get_running_loop().run_in_executor(
-                None, self._submit, request
-            )
+            req, stream = await admit(self.engine, lambda a: self._submit(request, a))
         except _SERVED_ERRORS as exc:
             refuse(context, *_status_of(exc))
             refused_bytes.add(request.ByteSize())
@@ -295,9 +320,7 @@ class AioGenerationServicer(GenerationServicer):
 
     async def Embed(self, request: generate_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
         try:
-            req, stream = await asyncio.get_running_loop().run_in_executor(
-                None, self._submit_embed, request
-            )
+            req, stream = await admit(self.engine, lambda a: self._submit_embed(request, a))
         except _SERVED_ERRORS as exc:
             refuse(context, *_status_of(exc))
             refused_bytes.add(request.ByteSize())
@@ -360,11 +383,11 @@ _OPTIONAL_REQUEST_FIELDS = ("cache_salt", "tenant", "ttft_ms", "tpot_ms")
 
 
 def _aborted(request_id: str) -> str:
-    return f"request_id {request_id!r} was aborted before its embedding was computed"
+    return f"request_id {quoted(request_id)} was aborted before its embedding was computed"
 
 
 def _not_live(request_id: str) -> str:
-    return f"request_id {request_id!r} is not a live request"
+    return f"request_id {quoted(request_id)} is not a live request"
 
 
 def _chat_has_images(request: generate_pb2.GenerateRequest) -> bool:

@@ -10,7 +10,9 @@ from tokenbudget.server.engine.streams import Chunk
 
 
 class Replies:
-    """GenerateResponse messages of one request (a sample's usage goes on its last)."""
+    """GenerateResponse messages of one request (a sample's usage goes on its last).
+    The request id goes on the stream's first message only (the client chose
+    it or learns it there): repeated, a long id would multiply into every token."""
 
     __slots__ = ("completion", "request", "request_id")
 
@@ -20,10 +22,11 @@ class Replies:
         self.completion: dict[int, int] = {}  # sample index -> tokens sent
 
     def message(self, chunk: Chunk) -> generate_pb2.GenerateResponse:
+        first = not self.completion
         completion = self.completion.get(chunk.index, 0) + len(chunk.token_ids)
         self.completion[chunk.index] = completion
         msg = generate_pb2.GenerateResponse(
-            request_id=self.request_id,
+            request_id=self.request_id if first else "",
             index=chunk.index,
             token_ids=chunk.token_ids,
             text=chunk.text,

@@ -2,7 +2,9 @@
 an API key.
 
 ``--api-key KEY``: every call must carry ``authorization: Bearer KEY``
-metadata (vLLM's name and header) or is refused with UNAUTHENTICATED; the
+metadata (vLLM's name and header) or is refused with UNAUTHENTICATED, on
+its metadata alone (the message is never read, so an unkeyed 60 MB call
+costs nothing); the
 grpc.health.v1 service stays open so orchestrators can probe without it.
 ``--tls-cert``/``--tls-key`` serve TLS; ``--tls-client-ca`` also requires
 every client to present a certificate that CA signed (mutual TLS).
@@ -13,7 +15,7 @@ from __future__ import annotations
 import grpc
 
 from tokenbudget.server.entrypoints.grpc.errors import refuse
-from tokenbudget.proto.rpc.auth import handler_with_behavior, presents
+from tokenbudget.proto.rpc.auth import presents, refusing_handler
 
 # Answered without the API key: a load balancer's probe carries no secrets.
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
@@ -70,7 +72,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         ):
             return handler
 
-        async def deny(request, context):
+        async def deny(request_iterator, context):  # the message is never read
             # A status and a return: abort's exception would keep the request
             # in a reference cycle (server/entrypoints/grpc/errors.py).
             refuse(
@@ -80,4 +82,4 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 "'authorization: Bearer <key>' (the server's --api-key)",
             )
 
-        return handler_with_behavior(handler, deny)
+        return refusing_handler(deny)

@@ -119,6 +119,7 @@ class GrpcFrontend:
         self.sglang = sglang_service.add_sglang_scheduler_servicer(
             self.server, engine, served_model_name=getattr(args, "served_model_name", None)
         )
+        self.servicer.max_id_bytes = self.sglang.max_id_bytes = args.max_id_bytes
         self._add_health_and_reflection()
         await self.server.start()
         await self._set_health(engine.healthy)

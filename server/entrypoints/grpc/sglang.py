@@ -36,9 +36,17 @@ from tokenbudget.proto import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenbudget.server.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenbudget.server.engine.streams import RequestStream
 from tokenbudget.core.request import Request
+from tokenbudget.server.entrypoints.grpc.admission import Admission, admit
 from tokenbudget.server.entrypoints.grpc.errors import add_servicer, public_message, refuse
 from tokenbudget.server.entrypoints.grpc.limits import refused_bytes
 from tokenbudget.server.engine.request_builder import build_pooling_request, make_requests
+from tokenbudget.server.entrypoints.grpc.lora_rpcs import lora_request_of
+from tokenbudget.server.engine.client_strings import (
+    DEFAULT_MAX_ID_BYTES,
+    check_client_string,
+    check_client_strings,
+    quoted,
+)
 from tokenbudget.server.entrypoints.grpc.sglang_convert import (
     GatewayRequest,
     Replies,
@@ -70,6 +78,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     reports healthy only once started (``ready``), while not draining, and
     while the engine runs."""
 
+    # The longest request_id and cache_salt (the server's --max-id-bytes).
+    max_id_bytes = DEFAULT_MAX_ID_BYTES
+
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = (
@@ -92,11 +103,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             refuse(context, grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
             return
         try:  # off the loop: request building checks token ids and compiles nothing
-            req, stream = await asyncio.get_running_loop().run_in_executor(
-                None, self._submit, request
-            )
+            req, stream = await admit(self.engine, lambda a: self._submit(request, a))
         except _IN_BAND_ERRORS as exc:
-            error = _error(request.request_id, exc)
+            error = _error(_echo(request.request_id, self.max_id_bytes), exc)
         except EngineDeadError as exc:
             refuse(context, grpc.StatusCode.UNAVAILABLE, public_message(exc))
             return
@@ -119,9 +128,16 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             if not stream.finished:  # the gateway cancelled (its client went away)
                 self.engine.abort(stream.request_id)  # free the KV before the next step
 
-    def _submit(self, request: pb.GenerateRequest) -> tuple[GatewayRequest, RequestStream]:
+    def _submit(
+        self, request: pb.GenerateRequest, admission: Admission
+    ) -> tuple[GatewayRequest, RequestStream]:
         engine = self.engine
         req = gateway_request(request, engine.max_model_len)
+        check_client_strings(
+            request.request_id or None, {"cache_salt": req.cache_salt}, self.max_id_bytes
+        )
+        # The gateway's lora_path: an adapter name (--lora-modules, LoadLoRAAdapter).
+        lora = lora_request_of(engine, request.lora_id, "lora_id") if request.lora_id else None
         requests = make_requests(
             engine,
             req.request_id,
@@ -129,9 +145,10 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             req.params,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            lora_request=lora,
         )
         # The gateway detokenizes; we need text only to match stop strings.
-        stream = engine.add_request(
+        stream = admission.add_request(  # unless the gateway cancelled meanwhile
             requests, request_id=req.request_id, detokenize=bool(req.params.stop)
         )
         return req, stream
@@ -146,13 +163,14 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             return None
         rid = request.request_id or uuid.uuid4().hex
         try:
+            check_client_strings(rid, {}, self.max_id_bytes)
             req = await asyncio.get_running_loop().run_in_executor(
                 None, self._embed_request, request, rid
             )
             stream = self.engine.add_request(req, request_id=rid, detokenize=False)
         except _IN_BAND_ERRORS as exc:
             refused_bytes.add(request.ByteSize())
-            return _embed_error(rid, exc)
+            return _embed_error(_echo(rid, self.max_id_bytes), exc)
         except EngineDeadError as exc:
             refuse(context, grpc.StatusCode.UNAVAILABLE, public_message(exc))
             return None
@@ -226,9 +244,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if self.engine.abort(request.request_id):
-            return pb.AbortResponse(success=True, message=f"aborted {request.request_id!r}")
+            return pb.AbortResponse(success=True, message=f"aborted {quoted(request.request_id)}")
         return pb.AbortResponse(
-            success=False, message=f"request_id {request.request_id!r} is not live"
+            success=False, message=f"request_id {quoted(request.request_id)} is not live"
         )
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
@@ -304,6 +322,16 @@ def _brief(request: pb.GenerateRequest) -> str:
     shown.CopyFrom(request)
     shown.tokenized.Clear()
     return f"({len(request.tokenized.input_ids)} prompt tokens) " + str(shown).replace("\n", " ")
+
+
+def _echo(request_id: str, max_bytes: int) -> str:
+    """The id to echo in a refusal: a refused id (too long, unprintable) is not
+    sent back."""
+    try:
+        check_client_string("request_id", request_id, max_bytes)
+    except ValueError:
+        return ""
+    return request_id
 
 
 def _error(request_id: str, exc: BaseException) -> pb.GenerateResponse:

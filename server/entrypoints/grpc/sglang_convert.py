@@ -178,8 +178,6 @@ def _refuse_unsupported(request: pb.GenerateRequest) -> None:
         raise ValueError("custom_logit_processor: custom logit processors are not supported")
     if request.input_embeds:
         raise ValueError("input_embeds: input embeddings are not supported")
-    if request.lora_id:
-        raise ValueError("lora_id: LoRA adapters are not supported")
     if request.data_parallel_rank > 0:
         raise ValueError(
             f"data_parallel_rank: this server has one rank (0), got {request.data_parallel_rank}"
