@@ -19,6 +19,7 @@ from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.kv.events import KVEventSubscription
+from tokenbudget.core.structured.grammar_cache import trim_heap
 from tokenbudget.core.structured.manager import StructuredOutputManager
 from tokenbudget.server.engine.core import EngineCore
 from tokenbudget.server.engine.engine_stats import EngineStats, make_engine_stats
@@ -32,6 +33,9 @@ from tokenbudget.server.engine.stop_strings import StopStrings
 from tokenbudget.server.engine.streams import RequestStream, wake_async_readers
 
 logger = logging.getLogger(__name__)
+
+# Seconds the engine idles after work before it trims the C heap.
+_TRIM_AFTER_IDLE_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -262,6 +266,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        trimmed = True
         while True:
             with self._lock:
                 while not (
@@ -270,7 +275,11 @@ class AsyncEngine:
                     or self._executor_failure
                     or core.has_unfinished_requests()
                 ):
-                    self._wakeup.wait()
+                    # Idle for a second after work: hand the C heap's free
+                    # pages back (what requests and refused messages left).
+                    if not self._wakeup.wait(None if trimmed else _TRIM_AFTER_IDLE_S):
+                        trim_heap()
+                        trimmed = True
                 if self._stopping:
                     return
                 if self._executor_failure is not None:
@@ -279,6 +288,7 @@ class AsyncEngine:
             for command in commands:
                 command()
             if core.has_unfinished_requests():
+                trimmed = False
                 self._dispatch(core.step())
                 if self.metrics is not None:
                     if core.has_unfinished_requests():
