@@ -19,7 +19,10 @@
 //
 // The math is written with GCC vector extensions over 16 floats (one AVX-512
 // register, two AVX2 ones): Q.K^T as 16 keys' dot products reduced together,
-// P.V as rank-1 updates of 4 rows x 64 columns of accumulators.
+// P.V as rank-1 updates of 4 rows x 64 columns of accumulators. A prefill
+// tile of 8..16 rows keeps its scores transposed instead (one vector per key,
+// a lane per row: run_item_t), so Q.K^T needs no horizontal sums and its
+// softmax runs lane-wise: about twice the throughput of the row-wise path.
 //
 // Inputs: q [T, H, D] (last dim contiguous), k_cache / v_cache
 // [num_blocks, block_size, Hkv, D] contiguous, float32 or bfloat16 (q and the
@@ -168,7 +171,7 @@ struct Problem {
 // Per-thread scratch, sized for the largest item of the call.
 struct Scratch {
   int Dp, max_rows;
-  std::vector<float> q, acc, scores, row_max, row_sum, kbuf, vbuf;
+  std::vector<float> q, acc, scores, row_max, row_sum, kbuf, vbuf, qt, st;
   std::vector<const float*> krow, vrow;
   std::vector<int64_t> offset, next_offset;
   std::vector<int> vis_begin, vis_end;  // keys of the tile that query i sees
@@ -177,7 +180,7 @@ struct Scratch {
         scores(size_t(rows) * kKeyTile), row_max(rows), row_sum(rows),
         kbuf(size_t(kKeyTile) * Dp), vbuf(size_t(kKeyTile) * Dp), krow(kKeyTile),
         vrow(kKeyTile), offset(kKeyTile), next_offset(kKeyTile), vis_begin(rows),
-        vis_end(rows) {}
+        vis_end(rows), qt(size_t(Dp_) * W), st(size_t(kKeyTile) * W) {}
 };
 
 // S[r][t] = q_r . k_t for rows [0, R) of one head and keys [0, n_pad).
@@ -199,9 +202,11 @@ void scores_tile(const float* q, int R, int Dp, const float* const* krow, int n_
   }
 }
 
-// acc[r] += sum_t P[r][t] * v_t for rows [0, R) of one head and keys [0, n).
+// acc[r] += sum_t P[r][t] * v_t for rows [0, R) of one head and keys [0, n);
+// P[r][t] sits at P[r * rs + t * ts].
 template <int NV>
-void pv_tile(const float* P, int R, int Dp, const float* const* vrow, int n, float* acc) {
+void pv_tile(const float* P, int R, int Dp, const float* const* vrow, int n, float* acc,
+             int rs = kKeyTile, int ts = 1) {
   const int nv = NV ? NV : Dp / W;
   int r = 0;
   for (; r + 4 <= R; r += 4) {
@@ -213,7 +218,7 @@ void pv_tile(const float* P, int R, int Dp, const float* const* vrow, int n, flo
       for (int t = 0; t < n; ++t) {
         const float* vr = vrow[t] + v0 * W;
         for (int i = 0; i < 4; ++i) {
-          const vec16 p = splat(P[size_t(r + i) * kKeyTile + t]);
+          const vec16 p = splat(P[size_t(r + i) * rs + size_t(t) * ts]);
           for (int c = 0; c < cv; ++c) a[i][c] += p * load(vr + c * W);
         }
       }
@@ -228,7 +233,7 @@ void pv_tile(const float* P, int R, int Dp, const float* const* vrow, int n, flo
       vec16 a[8];
       for (int c = 0; c < cv; ++c) a[c] = load(ar + (v0 + c) * W);
       for (int t = 0; t < n; ++t) {
-        const vec16 p = splat(P[size_t(r) * kKeyTile + t]);
+        const vec16 p = splat(P[size_t(r) * rs + size_t(t) * ts]);
         for (int c = 0; c < cv; ++c) a[c] += p * load(vrow[t] + (v0 + c) * W);
       }
       for (int c = 0; c < cv; ++c) store(ar + (v0 + c) * W, a[c]);
@@ -280,6 +285,127 @@ void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* offset, in
   }
 }
 
+// S^T[t] (lane r: q_r . k_t) for keys [0, n) of a tile: each key element is
+// broadcast against a column of Q^T (qt[d * W + r]), eight keys at a time.
+template <int NV>
+void scores_tile_t(const float* qt, int Dp, const float* const* krow, int n, float* st) {
+  const int dn = NV ? NV * W : Dp;
+  int t0 = 0;
+  for (; t0 + 8 <= n; t0 += 8) {
+    vec16 a[8] = {};
+    for (int d = 0; d < dn; ++d) {
+      const vec16 qd = load(qt + size_t(d) * W);
+      for (int k = 0; k < 8; ++k) a[k] += krow[t0 + k][d] * qd;
+    }
+    for (int k = 0; k < 8; ++k) store(st + size_t(t0 + k) * W, a[k]);
+  }
+  for (; t0 < n; ++t0) {
+    vec16 a = {};
+    for (int d = 0; d < dn; ++d) a += krow[t0][d] * load(qt + size_t(d) * W);
+    store(st + size_t(t0) * W, a);
+  }
+}
+
+// A prefill tile of one kv head with 8..16 rows (queries x heads of the
+// group): the scores are kept transposed, one vector per key holding every
+// row's score, so Q.K^T is a broadcast multiply-add per key element (no
+// horizontal sums) and the online softmax runs lane-wise; P.V reads P^T.
+// Lanes past the item's rows copy its last query's position and a zero
+// query: they compute finite garbage that is never written out.
+template <typename T, int NV>
+void run_item_t(const Problem& p, const Item& it, const T* q, const T* k_cache, const T* v_cache,
+                T* out, Scratch& s) {
+  const int D = int(p.head_dim), Dp = s.Dp;
+  const int G = int(p.num_heads / p.num_kv_heads);
+  const int64_t q0 = p.query_start[it.req];
+  const int64_t first_pos = p.seq_lens[it.req] - (p.query_start[it.req + 1] - q0);
+  const int nq = it.q_end - it.q_begin, R = nq * G;
+  const int64_t kv_end = first_pos + it.q_end;
+  const int64_t kv_begin =
+      p.window ? std::max<int64_t>(0, first_pos + it.q_begin - p.window + 1) : 0;
+  const int32_t* table = p.block_tables + int64_t(it.req) * p.max_blocks;
+
+  float* qt = s.qt.data();
+  std::fill(qt, qt + size_t(Dp) * W, 0.0f);
+  vec16 pos = {};
+  for (int r = 0; r < W; ++r) pos[r] = float(first_pos + it.q_begin + std::min(r, R - 1) / G);
+  for (int r = 0; r < R; ++r) {
+    const T* src = q + (q0 + it.q_begin + r / G) * p.q_stride_t +
+                   (it.head_begin * int64_t(G) + r % G) * p.q_stride_h;
+    for (int d = 0; d < D; ++d) qt[size_t(d) * W + r] = static_cast<float>(src[d]) * p.scale;
+  }
+  const vec16 lo = p.window ? pos - float(p.window - 1) : splat(-1.0f);
+  const float min_pos = float(first_pos + it.q_begin), max_lo = lo[R - 1];
+  float* acc = s.acc.data();
+  std::fill(acc, acc + size_t(R) * Dp, 0.0f);
+  vec16 m = splat(kNegInf), l = splat(0.0f);
+
+  const int64_t head_off = int64_t(it.head_begin) * D;
+  const int64_t row_bytes = int64_t(D) * int64_t(sizeof(T));
+  int64_t block_idx = kv_begin / p.block_size, block_off = kv_begin % p.block_size;
+  auto next_tile = [&](int64_t t0, int64_t* offset) {
+    const int n = int(std::min<int64_t>(kKeyTile, kv_end - t0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t slot = int64_t(table[block_idx]) * p.block_size + block_off;
+      offset[t] = slot * p.token_stride + head_off;
+      if (++block_off == p.block_size) block_off = 0, ++block_idx;
+    }
+    return n;
+  };
+  float* st = s.st.data();
+  int n_next = next_tile(kv_begin, s.next_offset.data());
+  for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
+    const int n = n_next;
+    std::swap(s.offset, s.next_offset);
+    if (t0 + kKeyTile < kv_end) {
+      n_next = next_tile(t0 + kKeyTile, s.next_offset.data());
+      prefetch_rows(k_cache, v_cache, s.next_offset.data(), n_next, row_bytes);
+    }
+    for (int t = 0; t < n; ++t)
+      s.krow[t] = row_f32(k_cache + s.offset[t], s.kbuf.data() + size_t(t) * Dp, D, Dp);
+    scores_tile_t<NV>(qt, Dp, s.krow.data(), n, st);
+    vec16 mt = splat(kNegInf);
+    const bool all_visible = float(t0 + n - 1) <= min_pos && float(t0) >= max_lo;
+    for (int t = 0; t < n; ++t) {
+      vec16 x = load(st + size_t(t) * W);
+      if (p.softcap > 0.0f) x = soft_cap(x, p.softcap);
+      if (!all_visible) {
+        const float key = float(t0 + t);
+        x = (key > pos) | (key < lo) ? splat(kNegInf) : x;
+      }
+      store(st + size_t(t) * W, x);
+      mt = mt > x ? mt : x;
+    }
+    const vec16 mx = m > mt ? m : mt;
+    const vec16 base = mx == kNegInf ? splat(0.0f) : mx;  // nothing seen yet: weights 0
+    const vec16 alpha = exp_nonpos(m - base);
+    vec16 sum = splat(0.0f);
+    for (int t = 0; t < n; ++t) {
+      const vec16 e = exp_nonpos(load(st + size_t(t) * W) - base);
+      store(st + size_t(t) * W, e);
+      sum += e;
+    }
+    l = l * alpha + sum;
+    m = mx;
+    for (int r = 0; r < R; ++r)
+      if (alpha[r] != 1.0f) {
+        float* a = acc + size_t(r) * Dp;
+        for (int d = 0; d < Dp; d += W) store(a + d, load(a + d) * alpha[r]);
+      }
+    for (int t = 0; t < n; ++t)
+      s.vrow[t] = row_f32(v_cache + s.offset[t], s.vbuf.data() + size_t(t) * Dp, D, Dp);
+    pv_tile<NV>(st, R, Dp, s.vrow.data(), n, acc, 1, W);
+  }
+
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.0f / l[r];
+    const float* a = acc + size_t(r) * Dp;
+    T* dst = out + (q0 + it.q_begin + r / G) * p.num_heads * D +
+             (it.head_begin * int64_t(G) + r % G) * D;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
+  }
+}
+
 template <typename T, int NV>
 void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, const T* v_cache,
               T* out, Scratch& s) {
@@ -289,6 +415,7 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
   const int64_t first_pos = p.seq_lens[it.req] - (p.query_start[it.req + 1] - q0);
   const int nq = it.q_end - it.q_begin, nh = it.head_end - it.head_begin;
   const int R = nq * G;  // rows of one kv head: query i, head g of the group -> i * G + g
+  if (nh == 1 && R >= 8 && R <= W) return run_item_t<T, NV>(p, it, q, k_cache, v_cache, out, s);
   const int rows = nh * R;
   const int64_t kv_end = first_pos + it.q_end;  // keys the item's last query sees
   // With a window the item's first query sees the earliest key any row does.
