@@ -14,6 +14,8 @@ from typing import Any
 
 from tokenbudget.core.spec_config import SpeculativeConfig
 
+# CacheConfig.kv_transfer_backend values ("": no KV transfer).
+KV_TRANSFER_BACKENDS = ("", "nixl", "mooncake")
 POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "lof", "random", "slo")
 # The ``server --help`` groups of the settings declared here.
 SCHEDULER = "scheduler"
@@ -343,6 +345,10 @@ class CacheConfig:
     # (0: full attention), as the workers report it (KVCacheSpec); () is one
     # full-attention group. See core/kv/groups.py.
     kv_group_windows: tuple[int, ...] = field(default=(), metadata={"derived": True})
+    # Not a setting: the KV transfer library the workers register their KV
+    # cache with for disaggregated prefill/decode ("": none); the engine
+    # factory sets it from the disaggregation flags.
+    kv_transfer_backend: str = field(default="", metadata={"derived": True})
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -366,3 +372,8 @@ class CacheConfig:
             raise ValueError(f"hash_algo must be 'sha256' or 'xxhash', got {self.hash_algo!r}")
         if self.hash_seed is not None and not 0 <= self.hash_seed < 1 << 64:
             raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
+        if self.kv_transfer_backend not in KV_TRANSFER_BACKENDS:
+            raise ValueError(
+                "kv_transfer_backend must be '', 'nixl' or 'mooncake', "
+                f"got {self.kv_transfer_backend!r}"
+            )

@@ -34,6 +34,9 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # Its LoRA adapter (lora_id is its lora_int_id), or None for the base model.
     lora_request: LoRARequest | None = None
+    # Tokens it already has past its prompt: a disaggregated decode's first
+    # token, sampled by the prefill engine that computed its KV.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -87,6 +90,10 @@ class SchedulerOutput:
     # block) pairs (core/kv/tiering.py).
     kv_swap_out: list[tuple[int, int]] = field(default_factory=list)
     kv_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # A KVConnectorMetadata (core/kv/connector.py; typed Any since core.kv
+    # imports this module): the KV sends the workers start and cancel this
+    # step; set on every step, empty ones included, while the connector has work.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -122,6 +129,10 @@ class ModelRunnerOutput:
     # req_id -> why it failed this step (its sampled list is empty); the
     # scheduler finishes it with an error, the others proceed (core/failures.py).
     failed: dict[str, RequestFailure] | None = None
+    # KV sends (core/kv/connector.py) that finished, and that failed (req_id ->
+    # why), since the last step: nothing writes their blocks any more.
+    finished_sending: set[str] | None = None
+    failed_sending: dict[str, str] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:
@@ -139,6 +150,9 @@ class KVCacheSpec:
     num_offload_blocks: int = 0  # host KV tier slots (0: no host tier)
     # Attention window of each KV cache group (0: full); () is one full group.
     kv_group_windows: tuple[int, ...] = ()
+    # Per TP rank, in rank order: how a peer engine reaches this rank's KV
+    # (CacheConfig.kv_transfer_backend set; () otherwise).
+    kv_transfer_handshakes: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_offload_blocks"):

@@ -74,7 +74,11 @@ class Request:
     A pooling (embedding) request gives resolved ``pooling_params`` and no
     ``sampling_params``: it is scheduled as a prompt with one output token to
     come (max_tokens=1), computes its prompt only and finishes with the pooled
-    vector instead of a token."""
+    vector instead of a token.
+
+    ``kv_transfer_params``: its part in a disaggregated prefill/decode pair, a
+    KVTransferParams (core/kv/connector.py; typed Any here since core.kv
+    imports this module), or None."""
 
     __slots__ = (
         "request_id",
@@ -107,6 +111,7 @@ class Request:
         "ttft_ms",
         "tpot_ms",
         "pooling_params",
+        "kv_transfer_params",
         "__weakref__",
     )
 
@@ -126,6 +131,7 @@ class Request:
         tpot_ms: float | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: Any = None,
     ) -> None:
         sampling_params = _checked_params(
             request_id, prompt_token_ids, sampling_params, pooling_params, ttft_ms, tpot_ms
@@ -168,6 +174,7 @@ class Request:
         self.skip_reading_prefix_cache = _computes_whole_prompt(sampling_params, pooling_params)
         # Prompt tokens whose logprobs were output (token 0 has none: it starts at 1).
         self.num_prompt_logprobs_sent = 1
+        self.kv_transfer_params = kv_transfer_params
 
     @property
     def num_tokens(self) -> int:

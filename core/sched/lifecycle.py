@@ -41,11 +41,16 @@ class RequestLifecycle:
     finished_req_ids: set[str]
     _side_outputs: list[RequestOutput]
     _pool_tokens: int
+    held_for_kv: dict[str, Request]  # core/sched/remote_kv.py
 
     def add_request(self, request: Request) -> None:
         cfg = self.scheduler_config
         if request.request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request.request_id!r} already exists")
+        if request.request_id in self.held_for_kv:
+            raise DuplicateRequestError(
+                f"request_id {request.request_id!r} is still in use: its KV is being sent"
+            )
         check_request(
             request,
             cfg,
@@ -88,6 +93,8 @@ class RequestLifecycle:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         assert RequestStatus.is_finished(finished_status)
+        if finished_status == RequestStatus.FINISHED_ABORTED:
+            self._abort_held(request_ids)  # finished, blocks held for a KV send
         done: list[Request] = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -106,7 +113,7 @@ class RequestLifecycle:
 
     def _free_request(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv_cache_manager.free(req)
+        self._release_blocks(req)  # kept while a KV transfer needs them (remote_kv.py)
         self.kv_tiering.on_free(req)
         if req.mm_features:
             self.encoder_cache_manager.free(req)

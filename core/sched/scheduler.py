@@ -9,8 +9,9 @@ The step (``schedule``) names no policy: the configured ones act through one
 SchedulingPolicy (core/policy/base.py) and the Preemptor (preemption.py).
 Beside this module: step.py (the step's ledger and its SchedulerOutput),
 preemption.py, encoder_budget.py (encoder inputs per chunk), lifecycle.py
-(requests in and out) with intake.py (the checks on arrival), and update.py
-(reading the step's reply).
+(requests in and out) with intake.py (the checks on arrival), update.py
+(reading the step's reply), and remote_kv.py (KV from and for another engine,
+through a KVConnector).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.failures import DuplicateRequestError, QueueFullError, describe
+from tokenbudget.core.kv.connector import KVConnector
 from tokenbudget.core.kv.groups import request_capacity_tokens
 from tokenbudget.core.kv.tiering import KVTiering
 from tokenbudget.core.lora import LoRAConfig
@@ -30,6 +32,7 @@ from tokenbudget.core.sched.encoder_cache import EncoderCacheManager
 from tokenbudget.core.sched.lifecycle import RequestLifecycle
 from tokenbudget.core.sched.lora_gate import LoRAGate
 from tokenbudget.core.sched.preemption import Preemptor
+from tokenbudget.core.sched.remote_kv import RemoteKV
 from tokenbudget.core.sched.stats import SchedulerStats, SpecDecodingStats
 from tokenbudget.core.sched.step import Step, chunk_size, fill_grammar_bitmask, grammar_bitmask
 from tokenbudget.core.sched.update import UpdateFromOutput
@@ -38,10 +41,11 @@ from tokenbudget.core.sched.update import UpdateFromOutput
 __all__ = ["DuplicateRequestError", "QueueFullError", "Scheduler", "SchedulerStats"]
 
 
-class Scheduler(RequestLifecycle, UpdateFromOutput):
+class Scheduler(RequestLifecycle, UpdateFromOutput, RemoteKV):
     """The step (schedule). Requests in and out are RequestLifecycle's
     (core/sched/lifecycle.py); the step's reply is read by
-    update_from_output (core/sched/update.py)."""
+    update_from_output (core/sched/update.py); KV from and for other engines
+    goes through RemoteKV (core/sched/remote_kv.py)."""
 
     def __init__(
         self,
@@ -51,7 +55,10 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         *,
         defer_grammar_bitmask: bool = False,
         lora_config: LoRAConfig | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
+        """``kv_connector``: where KV comes from and goes to in a disaggregated
+        prefill/decode pair (None: every request computes its own KV)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -94,6 +101,7 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         # the next update_from_output.
         self._side_outputs: list[RequestOutput] = []
         self.clock = time.monotonic
+        self._init_remote_kv(kv_connector)
         # Tokens the whole KV cache holds: a request needing more can never run.
         self._pool_tokens = request_capacity_tokens(
             cache_config.num_blocks, cache_config.block_size, cache_config.kv_group_windows
@@ -126,6 +134,7 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
     # -- schedule -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = Step.begin(self.scheduler_config, self.clock())
+        self._take_connector_events()  # KV received (those requests run now), failed, freeable
         if self.structured_output_manager is not None:
             self._abort_failed_grammars()
         self.policy.begin_step(step, self.running, self.waiting)
@@ -290,7 +299,12 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         does not fit now (admission stops there)."""
         cfg = self.scheduler_config
         kv = self.kv_cache_manager
+        if self._kv_arrived(req):
+            return self._admit_received(req, step, policy)
         hits, num_cached = kv.get_computed_blocks(req)
+        if self._wants_remote_kv(req, num_cached):
+            # Parked until its KV arrives, no budget spent: admission goes on.
+            return self._admit_for_remote_kv(req, hits, num_cached, policy)
         # Past the device hits, the host tier may hold more (or its swapped KV).
         load = self.kv_tiering.plan_load(req, hits, num_cached)
         if load is None:
@@ -352,7 +366,7 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
         grammar = grammar_bitmask(
             step, self.structured_output_manager, self.requests, self.defer_grammar_bitmask
         )
-        return step.build_output(
+        out = step.build_output(
             kv,
             self.scheduler_config.max_num_batched_tokens,
             finished=finished,
@@ -360,6 +374,8 @@ class Scheduler(RequestLifecycle, UpdateFromOutput):
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             grammar=grammar,
         )
+        self._add_connector_metadata(out)
+        return out
 
     def fill_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Resolve a deferred grammar_bitmask from the matchers' current state:

@@ -84,6 +84,7 @@ class Step:
                 None if r.sampling_params.ignore_eos else r.eos_token_id,
                 r.pooling_params,
                 r.lora_request,
+                list(r.output_token_ids),
             )
             for r in self.new_reqs
         ]

@@ -106,6 +106,7 @@ class UpdateFromOutput:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
+        self._report_sends(model_runner_output)
         outputs = self._fail_reported(model_runner_output)
         som = self.structured_output_manager
         requests = self.requests

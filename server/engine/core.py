@@ -25,18 +25,26 @@ owns the configs sized from it (``scheduler_config``, ``cache_config``) and
 answers for its scheduler (``stats()``, ``num_free_blocks()``,
 ``subscribe_kv_events``, ``structured_output``, ``reset_prefix_cache()``), so
 no front reaches into the scheduler.
+
+With a KV connector (disaggregated prefill/decode, core/kv/connector.py) the
+engine keeps stepping while transfers are pending, even with no request to
+run: such a step is empty but carries the connector's metadata, so the
+workers start and report sends; the loop sleeps ~2 ms per such poll step
+rather than spin.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.kv.connector import KVConnector
 from tokenbudget.core.kv.events import KVEventSubscription
 from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.kv.groups import request_capacity_tokens
@@ -49,6 +57,9 @@ from tokenbudget.server.executor.base import Executor, as_executor
 
 logger = logging.getLogger(__name__)
 
+# How long a step that only polls KV transfers sleeps (nothing else to run).
+TRANSFER_POLL_S = 0.002
+
 
 class EngineCore:
     def __init__(
@@ -60,6 +71,7 @@ class EngineCore:
         *,
         max_model_len_given: bool = False,
         lora_config: LoRAConfig | None = None,
+        kv_connector_factory: Callable[[KVCacheSpec], KVConnector] | None = None,
     ) -> None:
         """``executor``: an Executor, or an object with its three methods
         (``as_executor``). The configs are not written to: the engine's own,
@@ -67,7 +79,9 @@ class EngineCore:
         ``cache_config``. ``max_model_len_given``: the user set max_model_len,
         so a KV cache that cannot hold one such request is an error; otherwise
         max_model_len is lowered to what the cache holds, with a warning.
-        ``lora_config``: the scheduler's adapter limit (None: LoRA off)."""
+        ``lora_config``: the scheduler's adapter limit (None: LoRA off).
+        ``kv_connector_factory``: builds the KV connector (disaggregated
+        prefill/decode) from the executor's KVCacheSpec (None: no connector)."""
         sized_by = _kv_size_setting(cache_config)
         executor = as_executor(executor)
         spec = executor.initialize(cache_config, scheduler_config)
@@ -76,7 +90,9 @@ class EngineCore:
             scheduler_config = fit_max_model_len(
                 scheduler_config, cache_config, sized_by, max_model_len_given
             )
-        except ValueError:
+            kv_connector = None if kv_connector_factory is None else kv_connector_factory(spec)
+            self._kv_connector_factory = kv_connector_factory
+        except BaseException:
             executor.shutdown()
             raise
         # What max_model_len is while the cache holds it: a reconnect to a
@@ -91,6 +107,7 @@ class EngineCore:
             structured_output_manager,
             defer_grammar_bitmask=self._defer_masks,
             lora_config=lora_config,
+            kv_connector=kv_connector,
         )
         # Steps sent to the executor whose outputs have not been applied.
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
@@ -146,23 +163,29 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        s = self.scheduler
+        return s.has_unfinished_requests() or bool(self._in_flight) or s.has_pending_transfers()
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs that became known."""
         if self.async_scheduling:
             return self._step_async()
         so = self.scheduler.schedule()
-        if so.is_empty:
+        if so.is_empty and so.kv_connector_metadata is None:
             self._flush_finished(so)
             self._wait_for_grammars()
+            self._wait_for_transfers()
             return self.scheduler.take_side_outputs()
+        # Empty but with connector metadata: a poll step (its reply reports sends).
         result = self.executor.execute_model(so).result()
-        return self.scheduler.update_from_output(so, result)
+        outputs = self.scheduler.update_from_output(so, result)
+        if so.is_empty:
+            self._wait_for_transfers()
+        return outputs
 
     def _step_async(self) -> list[RequestOutput]:
         # Keep at most two steps in flight: schedule N+1, then wait for N.
-        sent = False
+        sent = poll = False
         s = self.scheduler
         outputs: list[RequestOutput] = []
         if (
@@ -177,9 +200,10 @@ class EngineCore:
             # in flight are stale.
             while self._in_flight:
                 outputs += self._apply_oldest()
-        if s.has_unfinished_requests() or s.finished_req_ids:
+        if s.has_unfinished_requests() or s.finished_req_ids or s.has_pending_transfers():
             so = s.schedule()
-            if not so.is_empty:
+            poll = so.is_empty
+            if not so.is_empty or so.kv_connector_metadata is not None:
                 self._in_flight.append((so, self.executor.execute_model(so)))
                 sent = True
                 if len(self._in_flight) == 1:
@@ -189,13 +213,19 @@ class EngineCore:
         if not self._in_flight:
             if not outputs:
                 self._wait_for_grammars()
+                self._wait_for_transfers()
             return outputs + s.take_side_outputs()
         # Only a step that sent work may return without waiting: when nothing
         # could be scheduled, progress needs the in-flight step's output.
         if sent and len(self._in_flight) < 2 and self._can_schedule_more():
-            # The step just sent runs while we schedule the next one.
-            return outputs
-        return outputs + self._apply_oldest()
+            # The step just sent runs while we schedule the next one; outputs
+            # made outside a model step (a received first token) go out now.
+            return outputs + s.take_side_outputs()
+        applies_poll = self._in_flight[0][0].is_empty
+        outputs += self._apply_oldest()
+        if poll and applies_poll:  # nothing runs: only transfers are pending
+            self._wait_for_transfers()
+        return outputs
 
     def _apply_oldest(self) -> list[RequestOutput]:
         so, fut = self._in_flight.popleft()
@@ -214,6 +244,11 @@ class EngineCore:
         som = self.structured_output
         if som is not None and som.has_pending():
             som.wait_for_compiles(0.02)
+
+    def _wait_for_transfers(self) -> None:
+        # Nothing runs but KV transfers are pending: poll every ~2 ms, not spin.
+        if self.scheduler.has_pending_transfers():
+            time.sleep(TRANSFER_POLL_S)
 
     def _can_schedule_more(self) -> bool:
         s = self.scheduler
@@ -257,6 +292,7 @@ class EngineCore:
             old.structured_output_manager,
             defer_grammar_bitmask=self._defer_masks,
             lora_config=old.lora_config,
+            kv_connector=old.kv_connector,
         )
         # KV event subscribers stay; they see every block cleared.
         self.scheduler.kv_tiering.take_over_events(old.kv_tiering)
@@ -270,6 +306,7 @@ class EngineCore:
         Raises ConnectionError while a worker cannot be reached, or comes
         back with a cache too small for any request."""
         spec = self.executor.reinitialize()
+        self._renew_kv_connector(spec)
         cache_config = self.cache_config
         if (spec.num_blocks, spec.num_offload_blocks) != (
             cache_config.num_blocks,
@@ -296,6 +333,15 @@ class EngineCore:
             )
             self.discard_requests(fitted, sized)
 
+    def _renew_kv_connector(self, spec: KVCacheSpec) -> None:
+        # Workers that came back registered their KV anew (new transfer
+        # agents, new handshakes): a connector built from the old ones would
+        # hand peers stale addresses. Requests were discarded before this.
+        old = self.scheduler.kv_connector
+        if old is not None and self._kv_connector_factory is not None:
+            old.shutdown()
+            self.scheduler.kv_connector = self._kv_connector_factory(spec)
+
     def _drop_in_flight(self) -> None:
         for so, fut in self._in_flight:
             fut.cancel()
@@ -308,6 +354,8 @@ class EngineCore:
         if self.structured_output is not None:
             self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.shutdown()
 
 
 def _kv_size_setting(cache_config: CacheConfig) -> str:
