@@ -99,6 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_blocks=spec.num_blocks,
             num_offload_blocks=spec.num_offload_blocks,
             kv_group_windows=spec.kv_group_windows,
+            kv_transfer_handshakes=spec.kv_transfer_handshakes,
         )
 
     def ExecuteModel(self, request_iterator, context):

@@ -82,16 +82,23 @@ class InputBatch:
     def capacity(self) -> int:
         return len(self.num_tokens)
 
-    def add(self, token_ids: list[int], block_ids: list[int]) -> int:
+    def add(
+        self, token_ids: list[int], block_ids: list[int], output_token_ids: list[int] = ()
+    ) -> int:
+        """A row for a request with ``token_ids`` (its prompt, or all its tokens
+        when resumed) followed by ``output_token_ids`` (outputs it already has:
+        a disaggregated decode's first token, sampled by the prefill engine)."""
         if not self._free_rows:
             self._grow()
         row = self._free_rows.pop()
-        n = len(token_ids)
+        p = len(token_ids)
+        n = p + len(output_token_ids)
         if n > self.max_model_len:
             raise ValueError(
                 f"request has {n} tokens, more than max_model_len={self.max_model_len}"
             )
-        self.token_ids[row, :n] = token_ids
+        self.token_ids[row, :p] = token_ids
+        self.token_ids[row, p:n] = output_token_ids
         self.num_tokens[row] = n
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)

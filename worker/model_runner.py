@@ -229,7 +229,7 @@ class ModelRunner:
             except Exception as exc:  # its own inputs are bad: it alone fails
                 failed[new.req_id] = describe(exc)
                 continue
-            state.row = batch.add(new.prompt_token_ids, new.block_ids)
+            state.row = batch.add(new.prompt_token_ids, new.block_ids, new.output_token_ids)
             self.requests[new.req_id] = state
             if new.pooling_params is not None:
                 self.pooler.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))

@@ -128,6 +128,16 @@ class TensorParallelGroup:
         thread.start()
         return thread
 
+    def gather(self, value: Any) -> list[Any] | None:
+        """Collective over the control group: every rank's ``value`` in rank
+        order at rank 0 (None elsewhere), e.g. the KV transfer handshakes."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        try:
+            dist.gather_object(value, out, dst=0, group=self.control)
+        except Exception as exc:
+            raise self._broke(exc) from exc
+        return out
+
     def _broadcast(self, box: list[Any]) -> None:
         try:
             dist.broadcast_object_list(box, src=0, group=self.control)

@@ -18,6 +18,7 @@ only rank 0's output goes back to the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -29,6 +30,7 @@ import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenbudget.proto.kv_connector import KVSendTally
 from tokenbudget.worker.parallel.group import GroupBrokenError, TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class DriverWorker:
 
         self.group = group
         self._on_broken = on_broken
+        self._kv_tally = KVSendTally(group.world_size)
         # Refused here, before any rank loads: a bad path or size leaves the group intact.
         config = load_config(model)
         check_supported(config, model)
@@ -113,16 +116,28 @@ class DriverWorker:
     def initialize(
         self, cache_config: CacheConfig, scheduler_config: SchedulerConfig
     ) -> KVCacheSpec:
-        return self._collective(
-            "kv",
-            (cache_config, scheduler_config),
-            lambda: self.worker.initialize(cache_config, scheduler_config),
-        )
+        def run() -> KVCacheSpec:
+            spec = self.worker.initialize(cache_config, scheduler_config)
+            if not cache_config.kv_transfer_backend:
+                return spec
+            # Every rank's handshakes, in rank order (a peer's rank r writes to rank r).
+            gathered = self.group.gather(spec.kv_transfer_handshakes)
+            handshakes = tuple(h for per_rank in gathered for h in per_rank)
+            return dataclasses.replace(spec, kv_transfer_handshakes=handshakes)
+
+        self._kv_tally = KVSendTally(self.group.world_size)
+        return self._collective("kv", (cache_config, scheduler_config), run)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._collective(
-            "step", scheduler_output, lambda: self.worker.execute_model(scheduler_output)
-        )
+        def run() -> ModelRunnerOutput:
+            out = self.worker.execute_model(scheduler_output)
+            if scheduler_output.kv_connector_metadata is not None:
+                # A send is done once every rank wrote its share (or one failed).
+                reports = self.group.gather((out.finished_sending, out.failed_sending))
+                out.finished_sending, out.failed_sending = self._kv_tally.merge(reports)
+            return out
+
+        return self._collective("step", scheduler_output, run)
 
     def shutdown(self) -> None:
         # Local only: the other ranks drop their model at the next "init".
@@ -149,9 +164,13 @@ def follow(group: TensorParallelGroup) -> int:
         while True:
             kind, payload = group.receive()
             if kind == "step":
-                worker.execute_model(payload)
+                out = worker.execute_model(payload)
+                if payload.kv_connector_metadata is not None:  # rank 0 merges the KV sends
+                    group.gather((out.finished_sending, out.failed_sending))
             elif kind == "kv":
-                worker.initialize(*payload)
+                spec = worker.initialize(*payload)
+                if payload[0].kv_transfer_backend:  # rank 0 collects the handshakes
+                    group.gather(spec.kv_transfer_handshakes)
             elif kind == "init":
                 if worker is not None:
                     worker.shutdown()
