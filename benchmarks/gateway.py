@@ -104,9 +104,18 @@ def tiktoken_dir(work: Path) -> Path:
 
 
 def start_gateway(addresses: list[str], model: str, work: Path, policy: str) -> tuple:
+    routing = ["--worker-urls", *(f"grpc://{a}" for a in addresses)]
+    return start_gateway_argv(routing, len(addresses), model, work, policy)
+
+
+def start_gateway_argv(
+    routing: list[str], num_workers: int, model: str, work: Path, policy: str
+) -> tuple:
+    """The gateway with ``routing`` (its worker arguments), once ``num_workers``
+    of its workers are healthy: (process, HTTP port)."""
     port = free_port()
     env = dict(ENV, TIKTOKEN_ENCODINGS_BASE=str(tiktoken_dir(work)))
-    log = open(work / f"gateway-{policy}-{len(addresses)}.log", "w")
+    log = open(work / f"gateway-{policy}-{num_workers}.log", "w")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -116,8 +125,7 @@ def start_gateway(addresses: list[str], model: str, work: Path, policy: str) -> 
             "127.0.0.1",
             "--port",
             str(port),
-            "--worker-urls",
-            *(f"grpc://{a}" for a in addresses),
+            *routing,
             "--model-path",
             model,
             "--policy",
@@ -139,7 +147,7 @@ def start_gateway(addresses: list[str], model: str, work: Path, policy: str) -> 
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/workers")
             workers = json.loads(conn.getresponse().read())["workers"]
-            if sum(w["is_healthy"] for w in workers) == len(addresses):
+            if sum(w["is_healthy"] for w in workers) == num_workers:
                 return proc, port
         except (OSError, ValueError, KeyError):
             pass

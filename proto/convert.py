@@ -214,6 +214,8 @@ _CACHE_FIELDS = (
     "hash_algo",
     "kv_load_blocks_per_step",
     "enable_kv_cache_events",
+    # Derived (not a setting), but the workers act on it: they register their KV with it.
+    "kv_transfer_backend",
 )
 _CACHE_OPTIONAL = (
     "num_blocks",

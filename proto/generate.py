@@ -20,7 +20,7 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent
 # Virtual folder (the proto package as a path) -> the sources compiled under it.
 SOURCES = {
-    "tokenbudget/v1": ("common.proto", "worker.proto", "generate.proto"),
+    "tokenbudget/v1": ("common.proto", "worker.proto", "generate.proto", "kv_bootstrap.proto"),
     "sglang/grpc/scheduler": ("sglang_scheduler.proto",),
 }
 

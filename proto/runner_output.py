@@ -11,6 +11,7 @@ from __future__ import annotations
 from tokenbudget.core.failures import RequestFailure
 from tokenbudget.core.outputs import ModelRunnerOutput, PromptLogprobs
 from tokenbudget.proto import worker_pb2
+from tokenbudget.proto.kv_connector import kv_sending_from_proto, kv_sending_to_proto
 from tokenbudget.proto.convert import (
     _ragged_from_proto,
     _ragged_to_proto,
@@ -48,6 +49,7 @@ def model_runner_output_to_proto(
     for rid, failure in (out.failed or {}).items():
         msg.failed[rid].message = failure.message
         msg.failed[rid].invalid_argument = failure.invalid_argument
+    kv_sending_to_proto(out, msg)
     return msg
 
 
@@ -75,6 +77,7 @@ class ModelRunnerOutputDecoder:
         if req_ids != self._last_req_ids:
             self._last_req_ids = list(req_ids)  # the caller's list may change later
             self._last_index = dict(zip(req_ids, range(len(req_ids))))
+        finished_sending, failed_sending = kv_sending_from_proto(msg)
         logprobs = None
         if msg.has_logprobs:
             logprobs = [
@@ -103,4 +106,6 @@ class ModelRunnerOutputDecoder:
                 rid: RequestFailure(f.message, f.invalid_argument) for rid, f in msg.failed.items()
             }
             or None,
+            finished_sending=finished_sending,
+            failed_sending=failed_sending,
         )

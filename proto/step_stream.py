@@ -21,6 +21,10 @@ from tokenbudget.core.lora import LoRARequest
 from tokenbudget.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbudget.core.request import MultiModalFeature
 from tokenbudget.proto import worker_pb2
+from tokenbudget.proto.kv_connector import (
+    kv_connector_metadata_from_proto,
+    kv_connector_metadata_to_proto,
+)
 from tokenbudget.proto.convert import (
     _i32,
     _i32_list,
@@ -82,11 +86,12 @@ class SchedulerOutputEncoder:
 
     def encode(self, so: SchedulerOutput, step_id: int = 0) -> worker_pb2.SchedulerOutput:
         msg = self._encode_repeat(so, step_id)
-        if msg is not None:
-            return msg
-        msg = self._encode_full(so, step_id)
-        nst = so.num_scheduled_tokens
-        self._last_order = list(nst) if nst else None
+        if msg is None:
+            msg = self._encode_full(so, step_id)
+            nst = so.num_scheduled_tokens
+            self._last_order = list(nst) if nst else None
+        if so.kv_connector_metadata is not None:  # steady steps too
+            kv_connector_metadata_to_proto(so.kv_connector_metadata, msg.kv_connector_metadata)
         return msg
 
     def _encode_repeat(
@@ -246,8 +251,11 @@ class SchedulerOutputDecoder:
 
     def decode(self, msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
         if msg.repeats_last_step:
-            return self._decode_repeat(msg)
+            so = self._decode_repeat(msg)
+            so.kv_connector_metadata = kv_connector_metadata_from_proto(msg)
+            return so
         so = self._decode_full(msg)
+        so.kv_connector_metadata = kv_connector_metadata_from_proto(msg)
         nst = so.num_scheduled_tokens
         if not nst:
             self._last_order = None
@@ -387,6 +395,7 @@ class SchedulerOutputDecoder:
                 if m.HasField("pooling_params")
                 else None
             ),
+            output_token_ids=_i32_list(m.output_token_ids) if m.output_token_ids else [],
         )
 
 
@@ -408,3 +417,5 @@ def _new_request_to_proto(r: NewRequestData, handle: int, out: worker_pb2.NewReq
         out.eos_token_id = r.eos_token_id
     if r.pooling_params is not None:
         pooling_params_to_proto(r.pooling_params, out.pooling_params)
+    if r.output_token_ids:
+        out.output_token_ids = _i32(r.output_token_ids)

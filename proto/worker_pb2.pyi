@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CacheConfig(_message.Message):
-    __slots__ = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "hash_algo", "kv_offload_memory_bytes", "num_offload_blocks", "kv_load_blocks_per_step", "enable_kv_cache_events")
+    __slots__ = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "hash_algo", "kv_offload_memory_bytes", "num_offload_blocks", "kv_load_blocks_per_step", "enable_kv_cache_events", "kv_transfer_backend")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class CacheConfig(_message.Message):
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_LOAD_BLOCKS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     ENABLE_KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
@@ -29,7 +30,8 @@ class CacheConfig(_message.Message):
     num_offload_blocks: int
     kv_load_blocks_per_step: int
     enable_kv_cache_events: bool
-    def __init__(self, block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., hash_algo: _Optional[str] = ..., kv_offload_memory_bytes: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., kv_load_blocks_per_step: _Optional[int] = ..., enable_kv_cache_events: _Optional[bool] = ...) -> None: ...
+    kv_transfer_backend: str
+    def __init__(self, block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., hash_algo: _Optional[str] = ..., kv_offload_memory_bytes: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., kv_load_blocks_per_step: _Optional[int] = ..., enable_kv_cache_events: _Optional[bool] = ..., kv_transfer_backend: _Optional[str] = ...) -> None: ...
 
 class SpeculativeConfig(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
@@ -84,14 +86,16 @@ class InitializeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., enforce_eager: _Optional[bool] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_offload_blocks", "kv_group_windows")
+    __slots__ = ("num_blocks", "num_offload_blocks", "kv_group_windows", "kv_transfer_handshakes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_HANDSHAKES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_offload_blocks: int
     kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_transfer_handshakes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., kv_transfer_handshakes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("mm_hash", "offset", "length", "data")
@@ -106,7 +110,7 @@ class MultiModalFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[_Union[_common_pb2.Value, _Mapping]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id", "eos_token_id", "pooling_params", "lora_name", "lora_path")
+    __slots__ = ("req_id", "handle", "prompt_token_ids", "mm_features", "sampling_params", "block_ids", "num_computed_tokens", "lora_id", "eos_token_id", "pooling_params", "lora_name", "lora_path", "output_token_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +123,7 @@ class NewRequest(_message.Message):
     POOLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     handle: int
     prompt_token_ids: bytes
@@ -131,7 +136,8 @@ class NewRequest(_message.Message):
     pooling_params: _common_pb2.PoolingParams
     lora_name: str
     lora_path: str
-    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    output_token_ids: bytes
+    def __init__(self, req_id: _Optional[str] = ..., handle: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., output_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class RaggedIds(_message.Message):
     __slots__ = ("num_lists", "flat", "counts", "sparse", "rows")
@@ -167,7 +173,7 @@ class CachedRequests(_message.Message):
     def __init__(self, handles: _Optional[bytes] = ..., new_block_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., num_computed_tokens: _Optional[bytes] = ..., resumed_token_ids: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids", "repeats_last_step", "kv_swap_out", "kv_swap_in")
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_handles", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks", "finished_handles", "preempted_handles", "free_encoder_mm_hashes", "grammar_bitmask", "structured_handles", "finished_unsent_req_ids", "preempted_unsent_req_ids", "repeats_last_step", "kv_swap_out", "kv_swap_in", "kv_connector_metadata")
     class ScheduledSpecDecodeTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +207,7 @@ class SchedulerOutput(_message.Message):
     REPEATS_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     KV_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     KV_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_METADATA_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequest]
     scheduled_cached_reqs: CachedRequests
@@ -220,7 +227,28 @@ class SchedulerOutput(_message.Message):
     repeats_last_step: bool
     kv_swap_out: bytes
     kv_swap_in: bytes
-    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ..., repeats_last_step: _Optional[bool] = ..., kv_swap_out: _Optional[bytes] = ..., kv_swap_in: _Optional[bytes] = ...) -> None: ...
+    kv_connector_metadata: KVConnectorMetadata
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_handles: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., total_num_scheduled_tokens: _Optional[int] = ..., scheduled_spec_decode_tokens: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., num_common_prefix_blocks: _Optional[int] = ..., finished_handles: _Optional[bytes] = ..., preempted_handles: _Optional[bytes] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., structured_handles: _Optional[bytes] = ..., finished_unsent_req_ids: _Optional[_Iterable[str]] = ..., preempted_unsent_req_ids: _Optional[_Iterable[str]] = ..., repeats_last_step: _Optional[bool] = ..., kv_swap_out: _Optional[bytes] = ..., kv_swap_in: _Optional[bytes] = ..., kv_connector_metadata: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ...) -> None: ...
+
+class KVSend(_message.Message):
+    __slots__ = ("request_id", "src_block_ids", "dst_block_ids", "peer_handshakes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_HANDSHAKES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    src_block_ids: bytes
+    dst_block_ids: bytes
+    peer_handshakes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., src_block_ids: _Optional[bytes] = ..., dst_block_ids: _Optional[bytes] = ..., peer_handshakes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVConnectorMetadata(_message.Message):
+    __slots__ = ("sends", "cancels")
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    sends: _containers.RepeatedCompositeFieldContainer[KVSend]
+    cancels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestLogprobs(_message.Message):
     __slots__ = ("present", "tokens")
@@ -231,7 +259,7 @@ class RequestLogprobs(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error", "prompt_logprobs", "failed")
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "has_logprobs", "logprobs", "has_pooler_output", "pooler_output", "has_spec_token_ids", "spec_token_ids", "error", "prompt_logprobs", "failed", "finished_sending", "failed_sending")
     class FailedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +267,13 @@ class ModelRunnerOutput(_message.Message):
         key: str
         value: RequestFailure
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RequestFailure, _Mapping]] = ...) -> None: ...
+    class FailedSendingEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +286,8 @@ class ModelRunnerOutput(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SENDING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: RaggedIds
@@ -263,7 +300,9 @@ class ModelRunnerOutput(_message.Message):
     error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     failed: _containers.MessageMap[str, RequestFailure]
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failed: _Optional[_Mapping[str, RequestFailure]] = ...) -> None: ...
+    finished_sending: _containers.RepeatedScalarFieldContainer[str]
+    failed_sending: _containers.ScalarMap[str, str]
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., has_pooler_output: _Optional[bool] = ..., pooler_output: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., has_spec_token_ids: _Optional[bool] = ..., spec_token_ids: _Optional[_Union[RaggedIds, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failed: _Optional[_Mapping[str, RequestFailure]] = ..., finished_sending: _Optional[_Iterable[str]] = ..., failed_sending: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestFailure(_message.Message):
     __slots__ = ("message", "invalid_argument")

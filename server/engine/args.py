@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +31,12 @@ from tokenbudget.core.config import (
     setting,
 )
 from tokenbudget.core.lora import LORA, LoRAConfig
+from tokenbudget.server.engine.disagg.config import DISAGGREGATION, DisaggregationConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
+from tokenbudget.server.engine.arg_values import (
+    parse_memory_size as parse_memory_size,
+    read_chat_template as read_chat_template,
+)
 from tokenbudget.server.engine.args_checks import (
     FP8_KV_CACHE_DTYPES as FP8_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
@@ -56,7 +59,7 @@ logger = logging.getLogger("tokenbudget.server")
 
 # The ``server --help`` groups, in order (SCHEDULER, POLICY, KV_CACHE: core.config).
 MODEL, SERVER, LOGGING, WORKERS = "model", "server", "logging", "workers"
-GROUPS = (MODEL, SERVER, LOGGING, WORKERS, SCHEDULER, POLICY, KV_CACHE, LORA)
+GROUPS = (MODEL, SERVER, LOGGING, WORKERS, SCHEDULER, POLICY, KV_CACHE, LORA, DISAGGREGATION)
 # vLLM's name -> ours, for LLM(...) keywords (the CLI has both as option strings).
 ALIASES = {
     "num_gpu_blocks_override": "num_gpu_blocks",
@@ -305,6 +308,18 @@ class EngineArgs(LoRAConfig):  # LoRAConfig's settings are ours (core/lora.py)
     num_offload_blocks: int | None = _from(CacheConfig, "num_offload_blocks")
     kv_load_blocks_per_step: int = _from(CacheConfig, "kv_load_blocks_per_step")
     enable_kv_cache_events: bool = _from(CacheConfig, "enable_kv_cache_events")
+    # -- disaggregated prefill/decode (DisaggregationConfig's settings) --
+    disaggregation_mode: str = _from(DisaggregationConfig, "disaggregation_mode")
+    disaggregation_bootstrap_port: int = _from(
+        DisaggregationConfig, "disaggregation_bootstrap_port"
+    )
+    disaggregation_transfer_backend: str = _from(
+        DisaggregationConfig, "disaggregation_transfer_backend"
+    )
+    disaggregation_timeout: float = _from(DisaggregationConfig, "disaggregation_timeout")
+    kv_transfer_config: dict[str, Any] | str | None = _from(
+        DisaggregationConfig, "kv_transfer_config"
+    )
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -342,6 +357,15 @@ class EngineArgs(LoRAConfig):  # LoRAConfig's settings are ours (core/lora.py)
     def check(self) -> None:
         """Refuse what cannot be honoured, naming it and saying why."""
         check_engine_args(self)
+        # vLLM's JSON text parsed (and every disaggregation flag checked) once, here.
+        self.kv_transfer_config = self.disaggregation_config.kv_transfer_config
+
+    @property
+    def disaggregation_config(self) -> DisaggregationConfig:
+        """The disaggregation settings on their own (checked on construction)."""
+        return DisaggregationConfig(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(DisaggregationConfig)}
+        )
 
     def max_logprobs_for(self, vocab_size: int) -> int:
         return vocab_size if self.max_logprobs == -1 else self.max_logprobs
@@ -407,29 +431,3 @@ class EngineArgs(LoRAConfig):  # LoRAConfig's settings are ours (core/lora.py)
 
     def read_chat_template(self) -> str | None:
         return read_chat_template(self.chat_template)
-
-
-def read_chat_template(template: str | None) -> str | None:
-    """A chat template given inline or as the path of a file (vLLM's rule: an
-    existing file is read, anything else is the template itself)."""
-    if template is None:
-        return None
-    path = os.path.expanduser(template)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in template:
-        raise ValueError(f"chat_template: {template!r} is neither a file nor a Jinja template")
-    return template
-
-
-def parse_memory_size(value: int | str | None, name: str = "kv_cache_memory") -> int | None:
-    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"2g"`` -> bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", str(value).lower())
-    if not m:
-        raise ValueError(f"{name} must be a byte count or a size like '2GiB', got {value!r}")
-    number, unit, suffix = m.groups()
-    base = 1000 if suffix == "b" else 1024
-    return int(float(number) * base ** " kmgt".index(unit or " "))

@@ -1,18 +1,23 @@
 """The one place an engine is assembled from ``EngineArgs``: the model's
 config, the input processor and the defaults the checkpoint brings, the
 executor (in this process, tensor-parallel ranks started here, or remote
-workers), the scheduler and cache configs, the structured-output manager and
-the EngineCore over them. ``LLM`` takes the core; ``server`` wraps it in an
-AsyncEngine. The model must be given: ``server`` resolves its demo model first.
+workers), the scheduler and cache configs, the structured-output manager, a
+disaggregated prefill's or decode's KV connector, and the EngineCore over
+them. ``LLM`` takes the core; ``server`` wraps it in an AsyncEngine. The
+model must be given: ``server`` resolves its demo model first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenbudget.core.config import CacheConfig
+from tokenbudget.core.kv.connector import PREFILL, KVConnector
+from tokenbudget.core.outputs import KVCacheSpec
 from tokenbudget.core.pooling_params import PoolerConfig
 from tokenbudget.core.structured.manager import StructuredOutputManager
 from tokenbudget.server.engine.args import EngineArgs, UnsupportedArgument
@@ -29,6 +34,7 @@ from tokenbudget.server.engine.pooler_defaults import load_pooler_config
 from tokenbudget.worker.cuda_graph_sizes import DEFAULT_CAPTURE_SIZES
 
 logger = logging.getLogger("tokenbudget.server")
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +51,8 @@ class Placement:
     torch_threads: int | None  # per tensor-parallel rank; None: a share of this host's
     # Once a worker answered steps: the tighter hang bound (RemoteExecutor); 0: off.
     hang_timeout: float = 0.0
+    # The server's --host: a prefill's KV bootstrap listener binds to it.
+    host: str = LOOPBACK
 
 
 @dataclass(slots=True)
@@ -83,6 +91,10 @@ def build_engine_core(
     vocab_size = text_config.vocab_size
     max_model_len = args.resolve_max_model_len(text_config)
     scheduler_config, cache_config = args.scheduler_config(max_model_len), args.cache_config()
+    kv_connector_factory = None
+    if args.disaggregation_config.enabled:
+        cache_config = _disaggregated_cache(args, text_config, cache_config, placement)
+        kv_connector_factory = _kv_connector_factory(args, placement, cache_config.block_size)
     input_processor = _input_processor(args, vocab_size, max_model_len)
     defaults = load_generation_defaults(
         model,
@@ -103,6 +115,7 @@ def build_engine_core(
         structured,
         max_model_len_given=args.max_model_len is not None,
         lora_config=args.lora_config,
+        kv_connector_factory=kv_connector_factory,
     )
     logger.info(
         "KV cache: %d blocks of %d tokens; async scheduling %s",
@@ -111,6 +124,80 @@ def build_engine_core(
         "on" if args.async_scheduling else "off",
     )
     return EngineParts(core, hf_config, input_processor, defaults, pooler_config, structured)
+
+
+def _disaggregated_cache(
+    args: EngineArgs, text_config, cache_config: CacheConfig, placement: Placement | None
+) -> CacheConfig:
+    """``cache_config`` with the workers told to register their KV with the
+    transfer backend; what disaggregation cannot serve yet, or a prefill's
+    bootstrap port already taken, is refused first (before the weights load)."""
+    from tokenbudget.proto.rpc.ports import check_port_free
+    from tokenbudget.worker.kv_groups import layer_windows
+
+    mode = args.disaggregation_config.mode
+    if any(layer_windows(text_config)):
+        raise UnsupportedArgument(
+            f"--disaggregation-mode {mode} with a sliding-window model",
+            "its KV cache groups (full and window layers) are not transferred yet",
+        )
+    if cache_config.kv_offload_memory_bytes or cache_config.num_offload_blocks:
+        raise UnsupportedArgument(
+            f"--disaggregation-mode {mode} with the host KV tier",
+            "blocks swapped to the host are not transferred; leave --kv-offload-memory "
+            "and --num-offload-blocks unset",
+        )
+    if mode == PREFILL:
+        check_port_free(_host(placement), args.disaggregation_bootstrap_port)
+    backend = args.disaggregation_config.transfer_backend
+    return dataclasses.replace(cache_config, kv_transfer_backend=backend)
+
+
+def _kv_connector_factory(
+    args: EngineArgs, placement: Placement | None, block_size: int
+) -> Callable[[KVCacheSpec], KVConnector]:
+    """What EngineCore calls with its workers' KVCacheSpec: a prefill's
+    connector (its bootstrap listener on --host, the worker secret if given)
+    or a decode's (it registers with the prefills named by its requests)."""
+    config = args.disaggregation_config
+    secret = placement.secret if placement is not None else None
+
+    def build(spec: KVCacheSpec) -> KVConnector:
+        if not spec.kv_transfer_handshakes:
+            raise UnsupportedArgument(
+                f"--disaggregation-mode {config.mode} with these workers",
+                f"they registered no KV cache with {config.transfer_backend} (no transfer "
+                "handshake came back)",
+            )
+        if config.mode == PREFILL:
+            from tokenbudget.server.engine.disagg.prefill import PrefillConnector
+
+            host = _host(placement)
+            connector = PrefillConnector(
+                host,
+                config.disaggregation_bootstrap_port,
+                block_size,
+                len(spec.kv_transfer_handshakes),
+                timeout=config.disaggregation_timeout,
+                secret=secret,
+            )
+            logger.info("KV bootstrap listener (prefill) on %s:%d", host, connector.port)
+            return connector
+        from tokenbudget.server.engine.disagg.decode import DecodeConnector
+
+        return DecodeConnector(
+            spec.kv_transfer_handshakes,
+            block_size,
+            timeout=config.disaggregation_timeout,
+            secret=secret,
+        )
+
+    return build
+
+
+def _host(placement: Placement | None) -> str:
+    """Where a prefill's bootstrap listener binds: the server's --host (LLM: loopback)."""
+    return placement.host if placement is not None else LOOPBACK
 
 
 def _input_processor(args: EngineArgs, vocab_size: int, max_model_len: int) -> InputProcessor:
@@ -143,7 +230,7 @@ def build_async_engine(
         from tokenbudget.server.engine.trace import TraceRecorder
 
         trace_recorder = TraceRecorder(args.block_size)
-    return AsyncEngine(
+    engine = AsyncEngine(
         parts.core,
         parts.input_processor,
         metrics,
@@ -158,6 +245,9 @@ def build_async_engine(
         pooler_config=parts.pooler_config,
         loras=None if args.lora_config is None else LoRARegistry(args.lora_config),
     )
+    # null, prefill or decode: the gateway's handler (sglang.py) serves requests by it.
+    engine.disaggregation_mode = args.disaggregation_config.mode
+    return engine
 
 
 def make_executor(args: EngineArgs, placement: Placement | None = None):

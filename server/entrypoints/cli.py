@@ -141,9 +141,11 @@ def check_server_flags(args: argparse.Namespace) -> None:
     if not args.worker_connect_timeout > 0:
         raise ValueError(f"--worker-connect-timeout must be > 0, got {args.worker_connect_timeout}")
     if args.worker_secret_file is not None:
-        if not args.worker:
+        disaggregated = args.disaggregation_mode != "null" or args.kv_transfer_config is not None
+        if not args.worker and not disaggregated:
             raise ValueError(
-                "--worker-secret-file needs --worker: it authenticates the server to remote workers"
+                "--worker-secret-file needs --worker or --disaggregation-mode: it authenticates "
+                "the server to remote workers and decode servers to a prefill's bootstrap port"
             )
         read_secret_file(args.worker_secret_file)
     if args.max_concurrent_rpcs < 1:
@@ -216,6 +218,7 @@ def placement(args: argparse.Namespace):
         step_timeout=args.worker_step_timeout,
         hang_timeout=args.worker_hang_timeout,
         torch_threads=args.torch_threads or None,
+        host=args.host,
     )
 
 

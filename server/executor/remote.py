@@ -19,6 +19,11 @@ stops answering is found in seconds, not minutes. ``reinitialize``
 then reconnects (new channels), sends the same Initialize again and opens new
 streams: the engine calls it, with backoff, until the workers are back.
 
+With disaggregated prefill/decode the KVCacheSpec lists every worker's KV
+transfer handshake in address order (a tensor-parallel rank 0 answers for
+its group's ranks), and a KV send counts finished only once every worker
+reported it, failed if any failed it (proto/kv_connector.py KVSendTally).
+
 With a ``secret``, every call carries ``authorization: Bearer <secret>``
 metadata, which workers started with ``--worker-secret-file`` require.
 """
@@ -38,6 +43,7 @@ import grpc
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
 from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenbudget.proto import convert, step_stream, worker_pb2, worker_pb2_grpc
+from tokenbudget.proto.kv_connector import KVSendTally, kv_sending_from_proto
 from tokenbudget.server.executor.base import Executor
 
 logger = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ class WorkerUnavailableError(ConnectionError):
 class _Step:
     """A step sent to every worker; done when each has answered."""
 
-    __slots__ = ("future", "remaining", "output", "req_ids")
+    __slots__ = ("future", "remaining", "output", "req_ids", "kv_sending")
 
     def __init__(self, num_workers: int, req_ids: list[str]) -> None:
         # The step's scheduled order: replies in that order omit their ids.
@@ -65,6 +71,8 @@ class _Step:
         self.future: Future[ModelRunnerOutput] = Future()
         self.remaining = num_workers
         self.output: ModelRunnerOutput | None = None
+        # Several workers: each one's (finished_sending, failed_sending), by rank.
+        self.kv_sending: list = [None] * num_workers if num_workers > 1 else []
 
 
 class _Connection:
@@ -156,6 +164,7 @@ class RemoteExecutor(Executor):
         self._lock = threading.Lock()
         self._step_id = 0
         self._encoder = step_stream.SchedulerOutputEncoder()
+        self._kv_tally = KVSendTally(len(addresses))
         self._error: WorkerUnavailableError | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._closed = threading.Event()
@@ -211,7 +220,7 @@ class RemoteExecutor(Executor):
             if self._closed.is_set():
                 raise WorkerUnavailableError("the executor is shut down")
             self._connecting = conns
-        num_blocks, num_offload, windows = [], [], set()
+        num_blocks, num_offload, windows, handshakes = [], [], set(), []
         try:
             for conn in conns:
                 try:
@@ -221,6 +230,7 @@ class RemoteExecutor(Executor):
                     num_blocks.append(reply.num_blocks)
                     num_offload.append(reply.num_offload_blocks)
                     windows.add(tuple(reply.kv_group_windows))
+                    handshakes.extend(reply.kv_transfer_handshakes)  # in rank order
                 except grpc.FutureTimeoutError:
                     raise WorkerUnavailableError(
                         f"worker {conn.address}: initialize failed (nothing accepted the "
@@ -241,6 +251,7 @@ class RemoteExecutor(Executor):
             self._conns = conns
             self._step_id = 0
             self._encoder = step_stream.SchedulerOutputEncoder()  # request handles are per stream
+            self._kv_tally = KVSendTally(len(conns))  # the old workers' sends died with them
         for conn in conns:
             stream = conn.stub.ExecuteModel(conn.requests(), metadata=self._metadata)
             conn.reader = threading.Thread(
@@ -251,8 +262,14 @@ class RemoteExecutor(Executor):
             )
             conn.reader.start()
         # The smallest cache any worker has; host KV tier slots likewise (0: none).
-        # Ranks of one model have the same KV cache groups.
-        return KVCacheSpec(min(num_blocks), min(num_offload), min(windows))
+        # Ranks of one model have the same KV cache groups. A peer engine
+        # writes into worker i's KV through handshake i (disaggregation).
+        return KVCacheSpec(
+            min(num_blocks),
+            min(num_offload),
+            min(windows),
+            kv_transfer_handshakes=tuple(handshakes),
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         step = _Step(len(self._conns), list(scheduler_output.num_scheduled_tokens))
@@ -314,9 +331,14 @@ class RemoteExecutor(Executor):
                 conn.answer(time.monotonic())
                 if conn.rank == 0:
                     step.output = conn.decoder.decode(reply, step.req_ids)
+                if step.kv_sending:
+                    step.kv_sending[conn.rank] = kv_sending_from_proto(reply)
                 with self._lock:
                     step.remaining -= 1
                     done = step.remaining == 0
+                    if done and step.kv_sending:  # in step order: the tally spans steps
+                        merged = self._kv_tally.merge(step.kv_sending)
+                        step.output.finished_sending, step.output.failed_sending = merged
                 if done and not step.future.done():
                     step.future.set_result(step.output)
         except grpc.RpcError as exc:

@@ -8,6 +8,11 @@ HTTP. Requests run through the same engine path as tokenbudget.v1.Generation
 strings and EOS, and an Abort frees the KV before the next step. The
 messages' translation lives in sglang_convert.py.
 
+Disaggregated prefill/decode (the gateway's ``--pd-disaggregation``): on a
+prefill or decode server each sample of a Generate gets its part
+(``KVTransferParams``, sglang_convert.py) and the response headers go out at
+once; a failed transfer ends the request with an in-band error.
+
 Errors: a bad request is answered in-band (``GenerateError`` naming the
 field, with an HTTP status the gateway passes on): a gRPC error status makes
 the gateway retry the request 5 times and count each try against the
@@ -91,6 +96,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.start_time = time.time()
         self.last_receive_time = 0.0
         self._model_info = model_info(engine, self.served_model_name)
+        # null, prefill or decode (--disaggregation-mode; the factory sets it on the engine).
+        self.disaggregation_mode = getattr(engine, "disaggregation_mode", "null")
 
     # -- Generate ---------------------------------------------------------------------
     async def Generate(
@@ -102,6 +109,10 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if self.draining or not self.engine.healthy:
             refuse(context, grpc.StatusCode.UNAVAILABLE, self._unhealthy_reason())
             return
+        if self.disaggregation_mode != "null":
+            # The gateway answers its client once both halves sent headers: a
+            # request queued (or waiting for its KV) must not hold them back.
+            await context.send_initial_metadata(())
         try:  # off the loop: request building checks token ids and compiles nothing
             req, stream = await admit(self.engine, lambda a: self._submit(request, a))
         except _IN_BAND_ERRORS as exc:
@@ -132,7 +143,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, request: pb.GenerateRequest, admission: Admission
     ) -> tuple[GatewayRequest, RequestStream]:
         engine = self.engine
-        req = gateway_request(request, engine.max_model_len)
+        req = gateway_request(request, engine.max_model_len, self.disaggregation_mode)
         check_client_strings(
             request.request_id or None, {"cache_salt": req.cache_salt}, self.max_id_bytes
         )
@@ -147,6 +158,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             cache_salt=req.cache_salt,
             lora_request=lora,
         )
+        for i, r in enumerate(requests):  # one KV transfer per sample
+            r.kv_transfer_params = req.kv_transfer_of(i)
         # The gateway detokenizes; we need text only to match stop strings.
         stream = admission.add_request(  # unless the gateway cancelled meanwhile
             requests, request_id=req.request_id, detokenize=bool(req.params.stop)
@@ -275,6 +288,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 "chunked_prefill_size": sched.max_num_batched_tokens,
                 "page_size": e.cache_config.block_size,
                 "schedule_policy": sched.policy,
+                "disaggregation_mode": self.disaggregation_mode,
             }
         )
         msg.scheduler_info.update({"max_total_num_tokens": _token_capacity(e)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
+from tokenbudget.core.kv.connector import DECODE, PREFILL, KVTransferParams
 from tokenbudget.core.sampling_params import SamplingParams
 from tokenbudget.proto import sglang_scheduler_pb2 as pb
 from tokenbudget.server.engine.async_engine import AsyncEngine
@@ -37,11 +38,26 @@ class GatewayRequest:
     # return_logprob: top-n per output token; input logprobs from this prompt position.
     top_logprobs: int | None = None
     input_logprobs_from: int | None = None
+    # Disaggregated prefill/decode: this server's part in it (sample 0's room).
+    kv_transfer: KVTransferParams | None = None
+
+    def kv_transfer_of(self, index: int) -> KVTransferParams | None:
+        """Sample ``index``'s part: each sample is a transfer of its own, and
+        the prefill and the decode (sent the same request) derive the same
+        room for it. The gateway sends n > 1 as one request with one room."""
+        kv = self.kv_transfer
+        if kv is None or index == 0:
+            return kv
+        return dataclasses.replace(kv, room=kv.room + (index << 32))
 
 
-def gateway_request(request: pb.GenerateRequest, max_model_len: int) -> GatewayRequest:
-    """Convert, refusing what we do not serve with a ValueError naming the field."""
+def gateway_request(
+    request: pb.GenerateRequest, max_model_len: int, disaggregation_mode: str = "null"
+) -> GatewayRequest:
+    """Convert, refusing what we do not serve with a ValueError naming the
+    field. ``disaggregation_mode``: the server's (null, prefill or decode)."""
     _refuse_unsupported(request)
+    kv_transfer = _kv_transfer(request, disaggregation_mode)
     num_prompt_tokens = len(request.tokenized.input_ids)
     if not num_prompt_tokens:
         raise ValueError("tokenized.input_ids: the prompt must not be empty")
@@ -53,6 +69,9 @@ def gateway_request(request: pb.GenerateRequest, max_model_len: int) -> GatewayR
     prompt = list(request.tokenized.input_ids)
     sp = request.sampling_params
     kwargs = _sampling_kwargs(sp, max_model_len, len(prompt))
+    if disaggregation_mode == PREFILL:
+        # The prefill computes the prompt and samples the first token; the decode does the rest.
+        kwargs["max_tokens"], kwargs["min_tokens"] = 1, min(kwargs["min_tokens"], 1)
     top_logprobs, input_from = _logprob_kwargs(request, len(prompt), kwargs)
     if sp.HasField("stream_interval") and sp.stream_interval < 1:
         raise ValueError(f"sampling_params.stream_interval must be >= 1, got {sp.stream_interval}")
@@ -71,7 +90,43 @@ def gateway_request(request: pb.GenerateRequest, max_model_len: int) -> GatewayR
         stream_interval=sp.stream_interval if sp.HasField("stream_interval") else 1,
         top_logprobs=top_logprobs,
         input_logprobs_from=input_from,
+        kv_transfer=kv_transfer,
     )
+
+
+def _kv_transfer(request: pb.GenerateRequest, mode: str) -> KVTransferParams | None:
+    """The request's part in a prefill/decode pair, from the gateway's
+    disaggregated_params (an empty bootstrap_host is none), on a server of
+    ``mode``. A prefill or decode server serves only such requests: SGLang's
+    runs every request of such a server through its KV transfer, so one
+    without the params is refused here at once rather than failing later."""
+    dp = request.disaggregated_params
+    given = request.HasField("disaggregated_params") and bool(dp.bootstrap_host)
+    if mode not in (PREFILL, DECODE):
+        if given:
+            raise ValueError(
+                "disaggregated_params: this server is not part of a prefill/decode pair "
+                "(start it with --disaggregation-mode prefill or decode)"
+            )
+        return None
+    if not given:
+        raise ValueError(
+            f"disaggregated_params: this server is the {mode} half of a prefill/decode "
+            "pair (--disaggregation-mode "
+            f"{mode}): it serves only requests from a gateway in --pd-disaggregation mode "
+            "(bootstrap_host, bootstrap_port and bootstrap_room set)"
+        )
+    if request.return_logprob:
+        raise ValueError(
+            "return_logprob: logprobs are not supported with disaggregated prefill/decode yet"
+        )
+    if mode == PREFILL:
+        return KVTransferParams(PREFILL, dp.bootstrap_room)
+    if not 1 <= dp.bootstrap_port <= 65535:
+        raise ValueError(
+            f"disaggregated_params.bootstrap_port must be in 1..65535, got {dp.bootstrap_port}"
+        )
+    return KVTransferParams(DECODE, dp.bootstrap_room, dp.bootstrap_host, dp.bootstrap_port)
 
 
 def _sampling_kwargs(sp: pb.SamplingParams, max_model_len: int, num_prompt_tokens: int) -> dict:
@@ -172,8 +227,6 @@ def _refuse_unsupported(request: pb.GenerateRequest) -> None:
         raise ValueError("token_ids_logprob: logprobs of chosen token ids are not supported")
     if request.return_hidden_states:
         raise ValueError("return_hidden_states: hidden states are not supported")
-    if request.HasField("disaggregated_params") and request.disaggregated_params.bootstrap_host:
-        raise ValueError("disaggregated_params: prefill/decode disaggregation is not supported")
     if request.custom_logit_processor:
         raise ValueError("custom_logit_processor: custom logit processors are not supported")
     if request.input_embeds:
