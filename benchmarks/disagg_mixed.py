@@ -32,11 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway import WORDS, free_port, start_gateway_argv, start_servers, stop  # noqa: E402
 
 
-def stream(port: int, text: str, max_tokens: int) -> tuple[float, list[float]]:
+def stream(port: int, text: str, max_tokens: int, model: str) -> tuple[float, list[float]]:
     """(TTFT s, the arrival times of the streamed tokens) of one /generate."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     body = {
+        "model": model,
         "text": text,
         "stream": True,
         "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
@@ -65,7 +66,7 @@ def pct(values: list[float], q: float) -> float:
     return round(1e3 * values[min(len(values) - 1, int(q * len(values)))], 2)
 
 
-def run_load(port: int, args) -> dict:
+def run_load(port: int, model: str, args) -> dict:
     rng = random.Random(0)
     stop_at = time.perf_counter() + args.seconds
     short, long_, errors = [], [], []
@@ -76,7 +77,7 @@ def run_load(port: int, args) -> dict:
         while time.perf_counter() < stop_at:
             text = " ".join(r.choice(WORDS) for _ in range(24))
             try:
-                res = stream(port, text, args.decode_tokens)
+                res = stream(port, text, args.decode_tokens, model)
             except Exception as exc:  # counted: a benchmark must not hide failures
                 with lock:
                     errors.append(str(exc))
@@ -86,7 +87,7 @@ def run_load(port: int, args) -> dict:
 
     def long_one(text: str) -> None:
         try:
-            res = stream(port, text, 16)
+            res = stream(port, text, 16, model)
         except Exception as exc:
             with lock:
                 errors.append(str(exc))
@@ -187,8 +188,8 @@ def main() -> None:
         for kind in args.setups:
             procs, port = setup(kind, model, work, extra)
             try:
-                stream(port, "warm up", 4)
-                result["setups"][kind] = run_load(port, args)
+                stream(port, "warm up", 4, model)
+                result["setups"][kind] = run_load(port, model, args)
             finally:
                 stop(procs)
             print(kind, json.dumps(result["setups"][kind]), file=sys.stderr)
