@@ -22,6 +22,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.spec_config import SpeculativeConfig
 from tokenbudget.core.pooling_params import PoolingParams
 from tokenbudget.core.sampling_params import (
@@ -272,6 +273,29 @@ def configs_from_proto(msg: worker_pb2.InitializeRequest) -> tuple[CacheConfig, 
     except ValueError as exc:
         raise ValueError(f"scheduler_config.{exc}") from None
     return cache, sched
+
+
+def lora_config_to_proto(config: LoRAConfig | None, out: worker_pb2.InitializeRequest) -> None:
+    if config is not None:
+        lc = out.lora_config
+        lc.max_loras, lc.max_lora_rank = config.max_loras, config.max_lora_rank
+        lc.max_cpu_loras = config.num_cpu_loras
+
+
+def lora_config_from_proto(msg: worker_pb2.InitializeRequest) -> LoRAConfig | None:
+    """None when absent (LoRA off); ValueError naming the field."""
+    if not msg.HasField("lora_config"):
+        return None
+    lc = msg.lora_config
+    try:
+        return LoRAConfig(
+            enable_lora=True,
+            max_loras=lc.max_loras,
+            max_lora_rank=lc.max_lora_rank,
+            max_cpu_loras=lc.max_cpu_loras,
+        )
+    except ValueError as exc:
+        raise ValueError(f"lora_config.{exc}") from None
 
 
 # -- int32 arrays and ragged lists ------------------------------------------------------

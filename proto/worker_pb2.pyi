@@ -68,7 +68,7 @@ class SchedulerConfig(_message.Message):
     def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., policy: _Optional[str] = ..., encoder_compute_budget: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., speculative_config: _Optional[_Union[SpeculativeConfig, _Mapping]] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("model", "dtype", "device", "attention_backend", "cache_config", "scheduler_config", "enforce_eager")
+    __slots__ = ("model", "dtype", "device", "attention_backend", "cache_config", "scheduler_config", "enforce_eager", "lora_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class InitializeRequest(_message.Message):
     CACHE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -83,7 +84,18 @@ class InitializeRequest(_message.Message):
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     enforce_eager: bool
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., enforce_eager: _Optional[bool] = ...) -> None: ...
+    lora_config: LoRAConfig
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cache_config: _Optional[_Union[CacheConfig, _Mapping]] = ..., scheduler_config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., enforce_eager: _Optional[bool] = ..., lora_config: _Optional[_Union[LoRAConfig, _Mapping]] = ...) -> None: ...
+
+class LoRAConfig(_message.Message):
+    __slots__ = ("max_loras", "max_lora_rank", "max_cpu_loras")
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    def __init__(self, max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
     __slots__ = ("num_blocks", "num_offload_blocks", "kv_group_windows", "kv_transfer_handshakes")

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from tokenbudget.core.failures import describe
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.utils.gc_policy import DEFAULT_GEN0_THRESHOLD, configure_gc
 from tokenbudget.proto import convert, step_stream, worker_pb2, worker_pb2_grpc
 from tokenbudget.proto.rpc.auth import WorkerSecretInterceptor
@@ -46,9 +47,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker_factory: Callable[..., Any] | None = None,
     ) -> None:
         """``worker_factory(model, dtype, device, attention_backend, *,
-        enforce_eager)`` builds the
-        worker on Initialize (default: a Worker; tensor-parallel rank 0 passes
-        one that drives its group)."""
+        enforce_eager, lora_config)`` builds the worker on Initialize (default:
+        a Worker; tensor-parallel rank 0 passes one that drives its group)."""
         self.worker = None
         self._worker_factory = worker_factory or _local_worker
         self._gc_threshold = gc_threshold
@@ -65,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Initialize(self, request, context):
         try:
             cache_config, scheduler_config = convert.configs_from_proto(request)
+            lora_config = convert.lora_config_from_proto(request)
         except ValueError as exc:  # before anything is unloaded: the old model serves on
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         with self._lock, self._step_lock:
@@ -88,6 +89,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 enforce_eager=(
                     request.enforce_eager if request.HasField("enforce_eager") else None
                 ),
+                lora_config=lora_config,
             )
             spec = self.worker.initialize(cache_config, scheduler_config)
             policy = configure_gc(self._gc_threshold)
@@ -153,7 +155,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def _local_worker(
-    model: str, dtype: str, device: str, attention_backend: str, *, enforce_eager: bool | None
+    model: str,
+    dtype: str,
+    device: str,
+    attention_backend: str,
+    *,
+    enforce_eager: bool | None,
+    lora_config: LoRAConfig | None,
 ):
     from tokenbudget.worker.worker import Worker
 
@@ -163,6 +171,7 @@ def _local_worker(
         device=device or None,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        lora_config=lora_config,
     )
 
 

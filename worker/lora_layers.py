@@ -18,6 +18,13 @@ map in one of two forms, chosen per step:
   max_loras), one index_add. Base tokens cost nothing.
 
 A step without adapters only pays each hook's check.
+
+Under tensor parallelism an adapter is cut as its base weight was
+(worker/parallel/sharding.py): a column-parallel layer keeps its rows of B
+(its output features) and all of A; a row-parallel layer keeps its columns
+of A (its input features) and all of B, and its partial delta is added
+before the layer's all-reduce, which sums it with the base products. So
+LoRA adds no communication.
 """
 
 from __future__ import annotations
@@ -92,24 +99,24 @@ class LoRAStep:
 class LoRALayer:
     """The stacked adapter weights of one linear, applied by its forward hook."""
 
-    __slots__ = ("name", "lora_a", "lora_bt", "a_all", "bt_all", "step")
+    __slots__ = ("name", "shape", "shard", "lora_a", "lora_bt", "a_all", "bt_all", "step")
 
     def __init__(
-        self, name: str, base: torch.nn.Linear, num_slots: int, max_rank: int, step: LoRAStep
+        self, name: str, base: torch.nn.Module, num_slots: int, max_rank: int, step: LoRAStep
     ) -> None:
         w = base.weight
+        out_f, in_f = w.shape  # this rank's share when sharded
         self.name = name
-        self.lora_a = w.new_zeros(num_slots, max_rank, base.in_features)
-        self.lora_bt = w.new_zeros(num_slots, max_rank, base.out_features)
+        # (in_features, out_features) of the whole base linear, as adapters see it.
+        self.shape: tuple[int, int] = getattr(base, "full_shape", (in_f, out_f))
+        # This rank's slices of the input and output features (all of them unsharded).
+        self.shard: tuple[slice, slice] = getattr(base, "shard", (slice(None), slice(None)))
+        self.lora_a = w.new_zeros(num_slots, max_rank, in_f)
+        self.lora_bt = w.new_zeros(num_slots, max_rank, out_f)
         # Every adapter slot's A rows and B^T rows, as views (the dense form).
-        self.a_all = self.lora_a[1:].view(-1, base.in_features)
-        self.bt_all = self.lora_bt[1:].view(-1, base.out_features)
+        self.a_all = self.lora_a[1:].view(-1, in_f)
+        self.bt_all = self.lora_bt[1:].view(-1, out_f)
         self.step = step
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(in_features, out_features) of the base linear."""
-        return self.lora_a.shape[2], self.lora_bt.shape[2]
 
     def fill(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot ``slot`` := A [r, in], B [out, r] (scale folded in); None: this
@@ -117,9 +124,9 @@ class LoRALayer:
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
         if a is not None:
-            r = a.shape[0]
-            self.lora_a[slot, :r].copy_(a)
-            self.lora_bt[slot, :r].copy_(b.T)
+            r, (ins, outs) = a.shape[0], self.shard
+            self.lora_a[slot, :r].copy_(a[:, ins])
+            self.lora_bt[slot, :r].copy_(b[outs].T)
 
     def __call__(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor):
         step = self.step
@@ -149,12 +156,18 @@ def attach_lora_layers(
     projection (the vision tower's are left alone); by module name."""
     layers: dict[str, LoRALayer] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in TARGET_MODULES:
+        # The sharded linears of worker/parallel/sharding.py carry ``shard``
+        # (known by it: worker.parallel depends on this module, not the reverse).
+        linear = isinstance(module, torch.nn.Linear) or hasattr(module, "shard")
+        if not linear or name.rsplit(".", 1)[-1] not in TARGET_MODULES:
             continue
         if "visual" in name or "vision" in name:
             continue
         layer = LoRALayer(name, module, num_slots, max_rank, step)
-        module.register_forward_hook(layer)
+        if hasattr(module, "before_reduce"):  # row-parallel
+            module.before_reduce = layer  # its partial delta joins the all-reduce
+        else:
+            module.register_forward_hook(layer)
         layers[name] = layer
     if not layers:
         raise ValueError(

@@ -38,14 +38,12 @@ def _refuse_unsupported(args: Any) -> None:
             ("revision", args.revision is not None),
             ("trust_remote_code", args.trust_remote_code),
             ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
-            ("enable_lora", args.enable_lora),
         ):
             if given:
                 raise UnsupportedArgument(
                     f"{name} with tensor_parallel_size > 1",
-                    "the ranks are told only the "
-                    "model path, dtype, device and attention backend; give the model as a "
-                    "local folder",
+                    "the ranks are told only the model path, dtype, device, "
+                    "attention backend and LoRA settings; give the model as a local folder",
                 )
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(

@@ -256,11 +256,6 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
     if placement is not None and placement.workers:
         from tokenbudget.server.executor.remote import RemoteExecutor
 
-        if args.enable_lora:
-            raise UnsupportedArgument(
-                "enable_lora with --worker", "remote workers do not load LoRA adapters yet"
-            )
-
         logger.info("driving remote workers %s", ", ".join(placement.workers))
         if args.cuda_graph_sizes not in (None, list(DEFAULT_CAPTURE_SIZES)):
             logger.warning("--cuda-graph-sizes: remote workers capture the default sizes")
@@ -276,6 +271,7 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
             hang_timeout=placement.hang_timeout,
             secret=placement.secret,
             enforce_eager=args.enforce_eager,
+            lora_config=args.lora_config,
         )
     if args.tensor_parallel_size > 1:
         from tokenbudget.server.executor.tensor_parallel import TensorParallelExecutor
@@ -297,6 +293,7 @@ def make_executor(args: EngineArgs, placement: Placement | None = None):
             device=args.device or "",
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            lora_config=args.lora_config,
             **extra,
         )
     return _in_process_executor(args)

@@ -41,6 +41,7 @@ from concurrent.futures import Future
 import grpc
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenbudget.proto import convert, step_stream, worker_pb2, worker_pb2_grpc
 from tokenbudget.proto.kv_connector import KVSendTally, kv_sending_from_proto
@@ -124,17 +125,18 @@ class RemoteExecutor(Executor):
         hang_timeout: float = 0.0,
         secret: str | None = None,
         enforce_eager: bool | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
-        """``connect_timeout``: how long initialize waits for a worker to accept
+        """``lora_config``: the workers serve LoRA adapters (None: off);
+        ``connect_timeout``: how long initialize waits for a worker to accept
         the connection; ``step_timeout`` (seconds, 0 = never): a worker that
         leaves a step unanswered that long is declared hung; ``hang_timeout``
         (0 = off): the tighter bound once it has answered steps (see above)."""
         if not addresses:
             raise ValueError("RemoteExecutor needs at least one worker address (host:port)")
-        if step_timeout < 0:
-            raise ValueError(f"step_timeout must be >= 0, got {step_timeout}")
-        if hang_timeout < 0:
-            raise ValueError(f"hang_timeout must be >= 0, got {hang_timeout}")
+        for name, seconds in (("step_timeout", step_timeout), ("hang_timeout", hang_timeout)):
+            if seconds < 0:
+                raise ValueError(f"{name} must be >= 0, got {seconds}")
         self._addresses = list(addresses)
         self._options = [
             ("grpc.max_send_message_length", max_message_size),
@@ -158,6 +160,7 @@ class RemoteExecutor(Executor):
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,  # None leaves it unset: the worker's default
         )
+        convert.lora_config_to_proto(lora_config, self._init)
         self._connect_timeout = connect_timeout
         self._step_timeout = step_timeout
         self._hang_timeout = hang_timeout

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.outputs import KVCacheSpec
 from tokenbudget.server.executor.remote import RemoteExecutor, WorkerUnavailableError
 
@@ -131,6 +132,7 @@ class TensorParallelExecutor(RemoteExecutor):
         device: str = "",
         attention_backend: str = "auto",
         enforce_eager: bool | None = None,
+        lora_config: LoRAConfig | None = None,
         threads: int | None = None,
         dist_timeout_s: float = 300.0,
         step_timeout: float = 0.0,
@@ -163,6 +165,7 @@ class TensorParallelExecutor(RemoteExecutor):
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            lora_config=lora_config,
             step_timeout=step_timeout,
             hang_timeout=hang_timeout,
         )

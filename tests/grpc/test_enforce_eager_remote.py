@@ -16,7 +16,8 @@ def test_initialize_carries_enforce_eager_to_the_worker_factory(tiny_model, enfo
 
     seen: list[bool | None] = []
 
-    def recording_worker(model, dtype, device, attention_backend, *, enforce_eager):
+    def recording_worker(model, dtype, device, attention_backend, *, enforce_eager, lora_config):
+        assert lora_config is None  # LoRA off: Initialize carries no lora_config
         seen.append(enforce_eager)
         # Eager whatever was asked: this test is about the wire, not the compile.
         return Worker(model, dtype=dtype, device=device or None, enforce_eager=True)

@@ -167,3 +167,59 @@ def test_the_gateway_protocols_lora_id_names_an_adapter(served):
     assert added[-1].lora_request == engine.loras.resolve("sql")
     with pytest.raises(ValueError, match="lora_id: unknown LoRA adapter 'nope'"):
         submit("nope")
+
+
+def test_a_remote_worker_serves_adapters_as_the_engine_in_process_does(
+    served, tiny_qwen3_path, serving
+):
+    """``--worker``: the LoRA settings reach the worker in Initialize and each
+    request's adapter (name, id, folder) travels with it in the step stream;
+    base and two adapters of different ranks, in one batch, give the tokens
+    of the engine in process (and of PEFT)."""
+    import gc
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenbudget.server.engine.args import EngineArgs
+    from tokenbudget.server.engine.factory import Placement, build_async_engine
+    from tokenbudget.worker.grpc_worker import serve
+
+    local, folders, expected, _, _ = served
+    want = {n: expected[n] for n in ("sql", "chat")}
+    want[None] = local.generate({"prompt_token_ids": PROMPT}, PARAMS).token_ids
+    thresholds = gc.get_threshold()
+    server, port, _ = serve("127.0.0.1", 0)
+    args = EngineArgs.from_kwargs(
+        tiny_qwen3_path,
+        dtype="float32",
+        device="cpu",
+        num_gpu_blocks=64,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        lora_modules=[f"{name}={folder}" for name, folder in folders.items()],
+    )
+    placement = Placement((f"127.0.0.1:{port}",), None, 64 << 20, 60.0, 0.0, None)
+    try:
+        with (
+            serving(build_async_engine(args, placement=placement)) as client,
+            ThreadPoolExecutor(3) as pool,
+        ):
+            got = dict(
+                zip(
+                    want,
+                    pool.map(
+                        lambda n: (
+                            client.generate(
+                                {"prompt_token_ids": PROMPT}, PARAMS, lora_name=n
+                            ).token_ids
+                        ),
+                        want,
+                    ),
+                )
+            )
+    finally:
+        server.stop(0)
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+    assert got == want
+    assert len({tuple(t) for t in got.values()}) == 3  # each adapter moved the tokens

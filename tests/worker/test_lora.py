@@ -262,3 +262,25 @@ def test_weights_that_do_not_fit_the_model_fail_only_their_request(
     assert "LoRA adapter 'broken'" in results[0].outputs[0].error
     assert "layers.99" in results[0].outputs[0].error
     assert results[1].token_ids == peft_greedy["r4"][0]
+
+
+def test_tensor_parallel_ranks_shard_adapters_like_their_base_weights(
+    tiny_qwen3_path, adapters, prompts, peft_greedy
+):
+    """TP=2 (two rank processes, gloo on CPU): B of the column-parallel
+    layers and A of the row-parallel ones (o_proj, down_proj) are cut like
+    the base weights, the row layers' partial deltas summed by their
+    all-reduce; a mixed batch (base, rank 8 on every projection, rank 16)
+    gives TP=1's greedy tokens, which are PEFT's."""
+    names = [None, "r8", "r16"]
+    cases = [(names[i % 3], i) for i in range(4)]
+    inputs = [{"prompt_token_ids": prompts[i]} for _, i in cases]
+    loras = [None if n is None else adapters[n] for n, _ in cases]
+    got = {}
+    for tp in (1, 2):
+        llm = make_llm(tiny_qwen3_path, max_loras=2, max_lora_rank=16, tensor_parallel_size=tp)
+        try:
+            got[tp] = [r.token_ids for r in llm.generate(inputs, GREEDY, lora_request=loras)]
+        finally:
+            llm.shutdown()
+    assert got[2] == got[1] == [peft_greedy[n][i] for n, i in cases]

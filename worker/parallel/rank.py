@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.core.config import CacheConfig, SchedulerConfig
+from tokenbudget.core.lora import LoRAConfig
 from tokenbudget.core.outputs import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenbudget.proto.kv_connector import KVSendTally
 from tokenbudget.worker.parallel.group import GroupBrokenError, TensorParallelGroup
@@ -46,6 +47,7 @@ class RankInit:
     attention_backend: str
     seed: int
     enforce_eager: bool | None = None
+    lora_config: LoRAConfig | None = None
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -72,6 +74,7 @@ def build_rank_worker(group: TensorParallelGroup, init: RankInit):
         seed=init.seed,
         parallel=group,
         enforce_eager=init.enforce_eager,
+        lora_config=init.lora_config,
     )
 
 
@@ -90,6 +93,7 @@ class DriverWorker:
         device: str = "",
         attention_backend: str = "auto",
         enforce_eager: bool | None = None,
+        lora_config: LoRAConfig | None = None,
         on_broken: Callable[[BaseException], None],
     ) -> None:
         from tokenbudget.worker.loader import check_supported
@@ -110,6 +114,7 @@ class DriverWorker:
             attention_backend,
             seed=random.getrandbits(63),
             enforce_eager=enforce_eager,
+            lora_config=lora_config,
         )
         self.worker = self._collective("init", init, lambda: build_rank_worker(group, init))
 
@@ -267,7 +272,13 @@ def _driver_factory(
     """serve's worker_factory on rank 0: a DriverWorker over ``group``."""
 
     def factory(
-        model: str, dtype: str, device: str, attention_backend: str, *, enforce_eager: bool | None
+        model: str,
+        dtype: str,
+        device: str,
+        attention_backend: str,
+        *,
+        enforce_eager: bool | None,
+        lora_config: LoRAConfig | None,
     ) -> DriverWorker:
         return DriverWorker(
             group,
@@ -276,6 +287,7 @@ def _driver_factory(
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            lora_config=lora_config,
             on_broken=on_broken,
         )
 

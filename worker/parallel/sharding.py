@@ -57,11 +57,16 @@ AllReduce = Callable[[torch.Tensor], None]
 
 
 class ColumnParallelLinear(nn.Module):
-    """This rank's rows of a linear layer: its share of the output features."""
+    """This rank's rows of a linear layer: its share of the output features.
+    ``full_shape`` (in, out features of the whole layer) and ``shard`` (this
+    rank's input and output feature slices) let a LoRA layer cut its adapters
+    as the weight was cut (worker/lora_layers.py)."""
 
     def __init__(self, full: nn.Linear, rank: int, world_size: int) -> None:
         super().__init__()
         rows = slice(*_share(full.out_features, rank, world_size))
+        self.full_shape = (full.in_features, full.out_features)
+        self.shard = (slice(0, full.in_features), rows)
         self.weight = nn.Parameter(full.weight[rows].clone(), requires_grad=False)
         self.bias = (
             None
@@ -75,11 +80,16 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """This rank's columns of a linear layer; the output is all-reduced so
-    every rank holds the full result."""
+    every rank holds the full result. ``before_reduce(module, (x,), out)``,
+    when set, adds to the partial product in place (a LoRA layer: its
+    partial delta is summed by the same all-reduce)."""
 
     def __init__(self, full: nn.Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         cols = slice(*_share(full.in_features, rank, world_size))
+        self.full_shape = (full.in_features, full.out_features)
+        self.shard = (cols, slice(0, full.out_features))
+        self.before_reduce: Callable[[nn.Module, tuple, torch.Tensor], object] | None = None
         self.weight = nn.Parameter(full.weight[:, cols].clone(), requires_grad=False)
         # Added once, after the sum: on every rank it would count N times.
         self.bias = (
@@ -89,6 +99,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
+        if self.before_reduce is not None:
+            self.before_reduce(self, (x,), out)
         self.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
