@@ -137,6 +137,20 @@ def cpu_kernel_problem() -> str | None:
 
 
 @functools.cache
+def load_cpu_ops() -> str | None:
+    """Load our C++ ops (paged_attention, packed_linear) and register the
+    shape function a compiled trace needs for packed_linear: why not, or None."""
+    problem = _build()
+    if problem is None:
+        torch.library.register_fake("tokenbudget_cpu::packed_linear")(_packed_linear_shape)
+    return problem
+
+
+def _packed_linear_shape(x, weight, packed, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@functools.cache
 def _kernel():
     problem = _build()
     if problem is not None:

@@ -45,7 +45,7 @@ from tokenbudget.worker.attention import (
     build_metadata,
     paged_attention_forward,
 )
-from tokenbudget.worker.packed_linear import prepack_linears
+from tokenbudget.worker.packed_linear import prepack_for_compile, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,8 @@ def compile_decoder(runner) -> CompiledDecoder | None:
         logger.info("decoder: eager (%s)", reason)
         _prepack_eager(runner)
         return None
+    if runner.device.type == "cpu" and runner.parallel is None:
+        prepack_for_compile(runner.model)  # GEMMs on oneDNN-packed weights
     decoder = CompiledDecoder(runner.model)
     try:
         decoder.warm_up(runner.attention_backend, runner.kv_caches, runner.block_size)

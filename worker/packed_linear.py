@@ -38,11 +38,20 @@ def prepack_available() -> bool:
 
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` (set as the module's class by ``prepack_linears``)
-    that multiplies 8 rows or more with a oneDNN-packed copy of its weight."""
+    that multiplies 8 rows or more with a oneDNN-packed copy of its weight.
+    Traced by a compiled decoder, it calls our C++ op
+    ``tokenbudget_cpu::packed_linear`` (the same choice, made per call), which
+    inductor keeps as it is: its own CPU GEMMs would use the plain weight."""
 
     _packed: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None and torch.compiler.is_compiling():
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.ops.tokenbudget_cpu.packed_linear(
+                flat, self.weight, self._packed, self.bias
+            )
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows < MIN_PACKED_ROWS or x.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
@@ -56,9 +65,22 @@ class PackedLinear(torch.nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
+def prepack_for_compile(model: torch.nn.Module) -> int:
+    """prepack_linears for a decoder about to be compiled: the weights are
+    packed now (the trace takes them as inputs) and the C++ op the trace
+    calls is loaded; 0 (plain layers, inductor's GEMMs) where that op or
+    oneDNN is missing."""
+    from tokenbudget.worker.attention_cpu import load_cpu_ops
+
+    if load_cpu_ops() is not None:
+        return 0
+    return prepack_linears(model, now=True)
+
+
+def prepack_linears(model: torch.nn.Module, *, now: bool = False) -> int:
     """Make every fp32 CPU ``nn.Linear`` of ``model`` a PackedLinear; returns
-    how many. Nothing changes where oneDNN is missing."""
+    how many. Nothing changes where oneDNN is missing. ``now``: pack the
+    weights at once, not on first use."""
     if not prepack_available():
         logger.info("linear layers: plain F.linear (this torch has no oneDNN)")
         return 0
@@ -79,6 +101,10 @@ def prepack_linears(model: torch.nn.Module) -> int:
         return 0
     for module in linears:
         module.__class__ = PackedLinear
-        module._packed = None
+        packed = None
+        if now:
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        # A buffer (not saved), so a compiled decoder takes it as an input like the weight.
+        module.register_buffer("_packed", packed, persistent=False)
     logger.info("linear layers: %d with oneDNN-packed weights (fp32, CPU)", len(linears))
     return len(linears)

@@ -64,3 +64,40 @@ def test_an_eager_cpu_engine_multiplies_with_packed_weights(tiny_qwen3_path):
     )
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     assert packed and any(m._packed is not None for m in packed)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 64])
+def test_the_op_a_compiled_decoder_calls_equals_f_linear(rows):
+    """tokenbudget_cpu::packed_linear (C++): MKL below MIN_PACKED_ROWS rows,
+    oneDNN on the packed weight from there; both equal F.linear, and a packed
+    weight of another matrix shows from MIN_PACKED_ROWS rows on."""
+    from tokenbudget.worker.attention_cpu import load_cpu_ops
+
+    if load_cpu_ops() is not None:
+        pytest.skip(f"our C++ ops did not build: {load_cpu_ops()}")
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(rows, 48)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    got = torch.ops.tokenbudget_cpu.packed_linear(x, weight, packed, bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    other = torch.ops.mkldnn._reorder_linear_weight(weight.flip(0).contiguous(), None)
+    wrong = torch.ops.tokenbudget_cpu.packed_linear(x, weight, other, bias)
+    assert torch.allclose(wrong, got, atol=1e-3) == (rows < MIN_PACKED_ROWS)
+
+
+def test_a_compiled_cpu_decoder_multiplies_with_packed_weights(tiny_qwen3_path):
+    """Compiling packs the weights up front (the trace takes them as inputs),
+    and the compiled decoder gives the eager tokens (a mixed batch: decodes
+    below MIN_PACKED_ROWS rows, a prefill above)."""
+    from tokenbudget import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 37)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_qwen3_path, num_gpu_blocks=64).generate(prompts, params)]
+    llm = LLM(tiny_qwen3_path, enforce_eager=False, num_gpu_blocks=64)
+    runner = llm.engine.executor.worker.model_runner
+    if runner.compiled is None:
+        pytest.skip("the decoder did not compile here")
+    packed = [m for m in runner.model.modules() if type(m) is PackedLinear]
+    assert packed and all(m._packed is not None for m in packed)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want

@@ -32,6 +32,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -646,12 +648,44 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// A linear layer whose weight also exists reordered for oneDNN (``packed``,
+// from mkldnn::_reorder_linear_weight): oneDNN on the packed weight from
+// kMinPackedRows rows on, MKL on the plain one below (faster for a row or
+// two). One op, so a compiled decoder calls it at C++ dispatch cost rather
+// than a Python custom op's (worker/packed_linear.py).
+constexpr int64_t kMinPackedRows = 8;
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [rows, in_features]");
+  if (x.size(0) < kMinPackedRows || x.scalar_type() != at::kFloat)
+    return at::linear(x, weight, bias);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>({std::nullopt}));
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenbudget_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_tables, float scale, int window, float softcap) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenbudget_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(tokenbudget_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("packed_linear", &packed_linear);
+}
+
+// The packed weight is an opaque oneDNN tensor, so dispatch may land here.
+TORCH_LIBRARY_IMPL(tokenbudget_cpu, MkldnnCPU, m) { m.impl("packed_linear", &packed_linear); }
