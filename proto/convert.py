@@ -403,9 +403,11 @@ def kv_event_batch_to_proto(batch: KVEventBatch) -> generate_pb2.KvEventBatch:
             out.stored.parent_hash = e.parent_hash or b""
             out.stored.token_ids = _i32(e.token_ids)
             out.stored.tier = e.tier
+            out.stored.group = e.group
         elif type(e) is BlockRemoved:
             out.removed.block_hash = e.block_hash
             out.removed.tier = e.tier
+            out.removed.group = e.group
         else:
             out.all_cleared.SetInParent()
     return msg
@@ -416,12 +418,11 @@ def kv_event_batch_from_proto(msg: generate_pb2.KvEventBatch) -> KVEventBatch:
     for e in msg.events:
         kind = e.WhichOneof("kind")
         if kind == "stored":
-            s = e.stored
-            events.append(
-                BlockStored(s.block_hash, s.parent_hash or None, _i32_list(s.token_ids), s.tier)
-            )
+            s, tokens = e.stored, _i32_list(e.stored.token_ids)
+            events.append(BlockStored(s.block_hash, s.parent_hash or None, tokens, s.tier, s.group))
         elif kind == "removed":
-            events.append(BlockRemoved(e.removed.block_hash, e.removed.tier))
+            r = e.removed
+            events.append(BlockRemoved(r.block_hash, r.tier, r.group))
         else:
             events.append(AllCleared())
     return KVEventBatch(msg.seq, events, msg.snapshot, msg.num_dropped)

@@ -170,7 +170,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "encoder_cache_usage", "num_generated_tokens", "healthy", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "spec_accepted_per_position", "num_offload_blocks", "offload_blocks_used", "num_swapped_requests", "num_recomputed_tokens", "kv_swap_out_blocks", "kv_swap_in_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "encoder_cache_usage", "num_generated_tokens", "healthy", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "spec_accepted_per_position", "num_offload_blocks", "offload_blocks_used", "num_swapped_requests", "num_recomputed_tokens", "kv_swap_out_blocks", "kv_swap_in_blocks", "kv_groups")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class Stats(_message.Message):
     NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_SWAP_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_SWAP_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_requests: int
@@ -217,7 +218,16 @@ class Stats(_message.Message):
     num_recomputed_tokens: int
     kv_swap_out_blocks: int
     kv_swap_in_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., encoder_cache_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., num_offload_blocks: _Optional[int] = ..., offload_blocks_used: _Optional[int] = ..., num_swapped_requests: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_swap_out_blocks: _Optional[int] = ..., kv_swap_in_blocks: _Optional[int] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupUsage]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., encoder_cache_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., num_offload_blocks: _Optional[int] = ..., offload_blocks_used: _Optional[int] = ..., num_swapped_requests: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_swap_out_blocks: _Optional[int] = ..., kv_swap_in_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupUsage, _Mapping]]] = ...) -> None: ...
+
+class KvGroupUsage(_message.Message):
+    __slots__ = ("window", "num_blocks_used")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    num_blocks_used: int
+    def __init__(self, window: _Optional[int] = ..., num_blocks_used: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("max_pending",)
@@ -226,24 +236,28 @@ class SubscribeKvEventsRequest(_message.Message):
     def __init__(self, max_pending: _Optional[int] = ...) -> None: ...
 
 class KvBlockStored(_message.Message):
-    __slots__ = ("block_hash", "parent_hash", "token_ids", "tier")
+    __slots__ = ("block_hash", "parent_hash", "token_ids", "tier", "group")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     parent_hash: bytes
     token_ids: bytes
     tier: str
-    def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
+    group: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., tier: _Optional[str] = ..., group: _Optional[int] = ...) -> None: ...
 
 class KvBlockRemoved(_message.Message):
-    __slots__ = ("block_hash", "tier")
+    __slots__ = ("block_hash", "tier", "group")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     tier: str
-    def __init__(self, block_hash: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
+    group: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., tier: _Optional[str] = ..., group: _Optional[int] = ...) -> None: ...
 
 class KvAllCleared(_message.Message):
     __slots__ = ()

@@ -12,6 +12,10 @@ next batch is ``seq + 1``. Every subscription starts with one. A reader that
 sees any other batch whose seq is not the last one + 1 has missed events:
 its view is wrong until the next snapshot (``KVEventReplayer`` raises
 ``KVEventGap``), and it should subscribe again.
+
+A model with several KV cache groups (core/kv/groups.py) caches a block hash
+once per group: every event names its ``group`` (0, the first, for a model
+with one), and a hash is held per (tier, group).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ class BlockStored:
     parent_hash: bytes | None  # None for the first block of a sequence
     token_ids: list[int]
     tier: str
+    group: int = 0  # the KV cache group (core/kv/groups.py)
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hash: bytes
     tier: str
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class AllCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared
+Meta = tuple[bytes | None, list[int]]  # a block's parent hash and token ids
 
 
 @dataclass(slots=True)
@@ -114,11 +121,11 @@ class KVEventPublisher:
         self._pending: list[KVEvent] = []
         self._seq = 0
         self._subs: set[KVEventSubscription] = set()
-        # As of batch _seq, under the lock: tier -> hash -> (parent, tokens).
-        self._state: dict[str, dict[bytes, tuple[bytes | None, list[int]]]] = {t: {} for t in TIERS}
-        # Engine thread only: parent and tokens of hashes some tier holds or
-        # is about to (a block spilled to the host is stored without them).
-        self._meta: dict[bytes, tuple[bytes | None, list[int]]] = {}
+        # As of batch _seq, under the lock: tier -> (hash, group) -> (parent, tokens).
+        self._state: dict[str, dict[tuple[bytes, int], Meta]] = {t: {} for t in TIERS}
+        # Engine thread only: parent and tokens of (hash, group)s some tier
+        # holds or is about to (a block spilled to the host is stored without them).
+        self._meta: dict[tuple[bytes, int], Meta] = {}
 
     # -- engine thread -----------------------------------------------------------
     def stored(
@@ -127,15 +134,16 @@ class KVEventPublisher:
         tier: str,
         parent_hash: bytes | None = None,
         token_ids: list[int] | None = None,
+        group: int = 0,
     ) -> None:
         if token_ids is None:
-            parent_hash, token_ids = self._meta[block_hash]
+            parent_hash, token_ids = self._meta[block_hash, group]
         else:
-            self._meta[block_hash] = (parent_hash, token_ids)
-        self._pending.append(BlockStored(block_hash, parent_hash, token_ids, tier))
+            self._meta[block_hash, group] = (parent_hash, token_ids)
+        self._pending.append(BlockStored(block_hash, parent_hash, token_ids, tier, group))
 
-    def removed(self, block_hash: bytes, tier: str) -> None:
-        self._pending.append(BlockRemoved(block_hash, tier))
+    def removed(self, block_hash: bytes, tier: str, group: int = 0) -> None:
+        self._pending.append(BlockRemoved(block_hash, tier, group))
 
     def cleared(self) -> None:
         self._pending.append(AllCleared())
@@ -156,15 +164,14 @@ class KVEventPublisher:
         state = self._state
         for e in events:
             if type(e) is BlockStored:
-                state[e.tier][e.block_hash] = self._meta[e.block_hash] = (
-                    e.parent_hash,
-                    e.token_ids,
-                )
+                key = (e.block_hash, e.group)
+                state[e.tier][key] = self._meta[key] = (e.parent_hash, e.token_ids)
             elif type(e) is BlockRemoved:
-                state[e.tier].pop(e.block_hash, None)
+                key = (e.block_hash, e.group)
+                state[e.tier].pop(key, None)
                 # Forget the tokens of a hash no tier holds any more.
-                if all(e.block_hash not in t for t in state.values()):
-                    self._meta.pop(e.block_hash, None)
+                if all(key not in t for t in state.values()):
+                    self._meta.pop(key, None)
             else:
                 for tier in state.values():
                     tier.clear()
@@ -186,20 +193,30 @@ class KVEventPublisher:
     def _snapshot(self, num_dropped: int) -> KVEventBatch:  # under the lock
         events: list[KVEvent] = [AllCleared()]
         for tier, blocks in self._state.items():
-            events.extend(BlockStored(h, p, t, tier) for h, (p, t) in blocks.items())
+            events.extend(BlockStored(h, p, t, tier, g) for (h, g), (p, t) in blocks.items())
         return KVEventBatch(self._seq, events, snapshot=True, num_dropped=num_dropped)
 
-    def cached_hashes(self) -> dict[str, set[bytes]]:
+    def cached_hashes(self, group: int = 0) -> dict[str, set[bytes]]:
+        """The hashes each tier holds in KV cache ``group``."""
         with self._lock:
-            return {t: set(b) for t, b in self._state.items()}
+            return {t: {h for h, g in b if g == group} for t, b in self._state.items()}
+
+
+def _tier_sets() -> dict[str, set[bytes]]:
+    return {t: set() for t in TIERS}
 
 
 @dataclass(slots=True)
 class KVEventReplayer:
-    """Rebuilds the set of cached hashes per tier from a subscription's batches."""
+    """Rebuilds the set of cached hashes per tier from a subscription's
+    batches: ``groups[g]`` for KV cache group ``g``, ``tiers`` the first's."""
 
-    tiers: dict[str, set[bytes]] = field(default_factory=lambda: {t: set() for t in TIERS})
+    tiers: dict[str, set[bytes]] = field(default_factory=_tier_sets)
     last_seq: int | None = None
+    groups: dict[int, dict[str, set[bytes]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.groups[0] = self.tiers
 
     def apply(self, batch: KVEventBatch) -> None:
         if not batch.snapshot:
@@ -213,9 +230,10 @@ class KVEventReplayer:
         self.last_seq = batch.seq
         for e in batch.events:
             if type(e) is BlockStored:
-                self.tiers[e.tier].add(e.block_hash)
+                self.groups.setdefault(e.group, _tier_sets())[e.tier].add(e.block_hash)
             elif type(e) is BlockRemoved:
-                self.tiers[e.tier].discard(e.block_hash)
+                self.groups.setdefault(e.group, _tier_sets())[e.tier].discard(e.block_hash)
             else:
-                for hashes in self.tiers.values():
-                    hashes.clear()
+                for tiers in self.groups.values():
+                    for hashes in tiers.values():
+                        hashes.clear()

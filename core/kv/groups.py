@@ -57,7 +57,7 @@ class GroupHits(list):
 
 class HybridKVCacheManager(KVCacheManager):
     """KVCacheManager with one table per group (``windows``, see above).
-    Its tiering: no host tier; KV events report the first group's blocks."""
+    Its tiering: no host tier; KV events name each block's group."""
 
     def __init__(self, num_blocks: int, block_size: int, windows: tuple[int, ...], **kw) -> None:
         super().__init__(num_blocks, block_size, **kw)
@@ -67,10 +67,18 @@ class HybridKVCacheManager(KVCacheManager):
         self.tables: dict[str, list[list[KVCacheBlock]]] = {}
         evict = self.block_pool.on_evict
         if evict is not None:
-            # KV events name the first group's blocks only (as on_store does):
-            # the other groups' keys are one byte longer than a block hash.
+            # Told with the block's hash and group: a group g > 0 keys its
+            # blocks by the hash with g appended (``_key``), one byte longer.
             size = len(self.hasher._hash(b""))
-            self.block_pool.on_evict = lambda b: evict(b) if len(b.block_hash) == size else None
+
+            def on_evict(block: KVCacheBlock) -> None:
+                key = block.block_hash
+                if len(key) == size:
+                    evict(block, key, 0)
+                else:
+                    evict(block, key[:size], key[size])
+
+            self.block_pool.on_evict = on_evict
 
     def _key(self, block_hash: bytes, group: int) -> bytes:
         return block_hash if group == 0 else block_hash + bytes((group,))
@@ -189,9 +197,10 @@ class HybridKVCacheManager(KVCacheManager):
                 if block is null:
                     continue  # left the window before its tokens were known
                 stored = cache(block, self._key(hashes[i], g))
-                if stored and g == 0 and self.on_store is not None:
+                if stored and self.on_store is not None:
                     parent = hashes[i - 1] if i else None
-                    self.on_store(hashes[i], parent, request.all_token_ids[i * bs : (i + 1) * bs])
+                    tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+                    self.on_store(hashes[i], parent, tokens, g)
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:

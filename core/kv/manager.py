@@ -12,11 +12,16 @@ from tokenbudget.core.kv.hashing import BlockHasher
 if TYPE_CHECKING:
     from tokenbudget.core.request import Request
 
-# Told of a block newly findable by its hash: (hash, parent hash, token ids).
-OnStore = Callable[[bytes, bytes | None, list[int]], None]
+# Told of a block newly findable by its hash: (hash, parent hash, token ids),
+# and with KV cache groups (core/kv/groups.py) the block's group.
+OnStore = Callable[..., None]
 
 
 class KVCacheManager:
+    # The window of each KV cache group: one full-attention group here
+    # (HybridKVCacheManager, core/kv/groups.py, has several).
+    windows: tuple[int, ...] = (0,)
+
     def __init__(
         self,
         num_blocks: int,
@@ -183,6 +188,17 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def blocks_in_use_per_group(self) -> list[int]:
+        """Blocks the requests hold in each KV cache group (``windows``), a
+        block shared by several requests once. A block is in one group only,
+        so these sum to the pool's blocks in use."""
+        null = self.block_pool.null_block
+        used: list[set[int]] = [set() for _ in self.windows]
+        for rid in self.req_to_blocks:
+            for seen, table in zip(used, self.group_tables(rid)):
+                seen.update(b.block_id for b in table if b is not null)
+        return [len(seen) for seen in used]
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

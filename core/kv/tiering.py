@@ -135,8 +135,8 @@ class KVTiering:
         rid = req.request_id
         computed = req.num_computed_tokens
         blocks = self.kv.req_to_blocks.get(rid, ())
-        for table in self.kv.group_tables(rid):
-            self._uncache_uncomputed(table, computed)
+        for group, table in enumerate(self.kv.group_tables(rid)):
+            self._uncache_uncomputed(table, computed, group)
         if computed <= 0:
             return
         self._computed_before[rid] = computed
@@ -145,7 +145,7 @@ class KVTiering:
         if self.host is not None and not req.skip_reading_prefix_cache:
             self._swap_out_request(req, blocks, computed)
 
-    def _uncache_uncomputed(self, blocks, computed: int) -> None:
+    def _uncache_uncomputed(self, blocks, computed: int, group: int) -> None:
         # Blocks this step filled at scheduling time are hashed already, but a
         # victim's step is taken back: their KV will never be computed.
         pool = self.kv.block_pool
@@ -154,7 +154,8 @@ class KVTiering:
             if h is not None and block.ref_cnt == 1 and pool.cached.get(h) is block:
                 pool.uncache(block)
                 if self.events is not None:
-                    self.events.removed(h, DEVICE)
+                    # Group g > 0 caches under the hash with g appended (groups.py).
+                    self.events.removed(h[:-1] if group else h, DEVICE, group)
 
     def _swap_out_request(self, req: Request, blocks, computed: int) -> None:
         host = self.host
@@ -184,9 +185,12 @@ class KVTiering:
         self.num_swapped_out_blocks += need
         self.swapped[req.request_id] = SwappedKV(slots, computed)
 
-    def _on_device_evict(self, block: KVCacheBlock) -> None:
-        """Spill a cached device block to the host before it is reused."""
-        h = block.block_hash
+    def _on_device_evict(
+        self, block: KVCacheBlock, block_hash: bytes | None = None, group: int = 0
+    ) -> None:
+        """Spill a cached device block to the host before it is reused. With
+        KV cache groups (no host tier) its hash and group come along."""
+        h = block_hash or block.block_hash
         host = self.host
         if host is not None:
             slot = host.cached.get(h)
@@ -203,12 +207,12 @@ class KVTiering:
                 if self.events is not None:
                     self.events.stored(h, HOST)
         if self.events is not None:
-            self.events.removed(h, DEVICE)
+            self.events.removed(h, DEVICE, group)
 
     def _on_device_store(
-        self, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int]
+        self, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int], group: int = 0
     ) -> None:
-        self.events.stored(block_hash, DEVICE, parent_hash, token_ids)
+        self.events.stored(block_hash, DEVICE, parent_hash, token_ids, group)
 
     def _on_host_evict(self, slot: KVCacheBlock) -> None:
         self.events.removed(slot.block_hash, HOST)

@@ -33,7 +33,7 @@ from tokenbudget.core.sched.lifecycle import RequestLifecycle
 from tokenbudget.core.sched.lora_gate import LoRAGate
 from tokenbudget.core.sched.preemption import Preemptor
 from tokenbudget.core.sched.remote_kv import RemoteKV
-from tokenbudget.core.sched.stats import SchedulerStats, SpecDecodingStats
+from tokenbudget.core.sched.stats import KVGroupUsage, SchedulerStats, SpecDecodingStats
 from tokenbudget.core.sched.step import Step, chunk_size, fill_grammar_bitmask, grammar_bitmask
 from tokenbudget.core.sched.update import UpdateFromOutput
 
@@ -129,6 +129,7 @@ class Scheduler(RequestLifecycle, UpdateFromOutput, RemoteKV):
             t.num_recomputed_tokens,
             t.num_swapped_out_blocks,
             t.num_swapped_in_blocks,
+            list(map(KVGroupUsage, kv.windows, kv.blocks_in_use_per_group())),
         )
 
     # -- schedule -------------------------------------------------------------

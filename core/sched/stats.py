@@ -47,6 +47,15 @@ class SpecDecodingStats:
 
 
 @dataclass(slots=True)
+class KVGroupUsage:
+    """One KV cache group's share of the pool: its window (0: full attention)
+    and the blocks its requests hold now."""
+
+    window: int
+    num_blocks_used: int
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -64,6 +73,8 @@ class SchedulerStats:
     num_recomputed_tokens: int = 0
     kv_swap_out_blocks: int = 0
     kv_swap_in_blocks: int = 0
+    # One entry per KV cache group, in group order (core/kv/groups.py).
+    kv_groups: list[KVGroupUsage] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -237,6 +237,10 @@ class UpdateFromOutput:
                 req.stop_reason = "grammar"
                 return RequestStatus.FINISHED_STOPPED
         except Exception as exc:
+            # check_stop appended ``kept``; none of it is output, so none of it
+            # stays in the request (its final output equals what it streamed).
+            if kept:
+                del req.output_token_ids[-len(kept) :], req.all_token_ids[-len(kept) :]
             self._fail_requests({req.request_id: describe(exc)})
         return status
 

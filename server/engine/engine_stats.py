@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenbudget.core.sched.stats import KVGroupUsage
     from tokenbudget.server.engine.core import EngineCore
 
 
@@ -38,6 +39,8 @@ class EngineStats:
     num_recomputed_tokens: int = 0
     kv_swap_out_blocks: int = 0
     kv_swap_in_blocks: int = 0
+    # KV use per cache group (window, blocks held), in group order.
+    kv_groups: list[KVGroupUsage] = field(default_factory=list)
 
 
 def make_engine_stats(
@@ -70,4 +73,5 @@ def make_engine_stats(
         num_recomputed_tokens=s.num_recomputed_tokens,
         kv_swap_out_blocks=s.kv_swap_out_blocks,
         kv_swap_in_blocks=s.kv_swap_in_blocks,
+        kv_groups=s.kv_groups,
     )

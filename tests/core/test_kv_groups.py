@@ -8,6 +8,7 @@ import random
 
 from tokenbudget.core import CacheConfig, Request, SamplingParams
 from tokenbudget.core.kv import KVCacheManager
+from tokenbudget.core.kv.events import KVEventReplayer
 from tokenbudget.core.kv.groups import HybridKVCacheManager, group_layers
 from tokenbudget.core.kv.tiering import make_kv_cache_manager
 
@@ -144,18 +145,102 @@ def test_hit_tables_null_what_the_window_cannot_see():
     assert [b.block_id == 0 for b in sliding] == [True] * 6 + [False]
 
 
-def test_kv_events_name_the_first_groups_blocks_by_their_hash():
+def test_kv_events_name_every_groups_blocks_by_hash_and_group():
     stored, removed = [], []
     kv = make_kv_cache_manager(
         CacheConfig(block_size=BS, num_blocks=9, kv_group_windows=(0, 5)),
-        on_store=lambda h, parent, tokens: stored.append(h),
-        on_evict=lambda block: removed.append(block.block_hash),
+        on_store=lambda h, parent, tokens, group: stored.append((h, group)),
+        on_evict=lambda block, h, group: removed.append((h, group)),
     )
     first = _request("a", list(range(12)))
     kv.allocate_slots(first, 12)
     first.num_computed_tokens = 12
     kv.free(first)
-    assert stored == kv.hasher.update(first)  # 3 full blocks, the first group's
+    hashes = kv.hasher.update(first)  # 3 full blocks in each group
+    assert stored == [(h, g) for g in (0, 1) for h in hashes]
     other = _request("b", list(range(100, 116)))  # 4 blocks per group: evicts all 6 cached
     assert kv.allocate_slots(other, 16) is not None
-    assert sorted(removed) == sorted(kv.hasher.update(first))
+    assert sorted(removed) == sorted(stored[:6])
+
+
+def test_replayed_events_hold_each_groups_cached_hashes():
+    from tokenbudget.core.kv.events import DEVICE
+    from tokenbudget.core.kv.tiering import KVTiering
+    from tokenbudget.proto import convert
+
+    cfg = CacheConfig(
+        block_size=BS, num_blocks=9, kv_group_windows=(0, 5), enable_kv_cache_events=True
+    )
+    tiering = KVTiering(cfg)
+    kv, events = tiering.kv, tiering.events
+    sub = events.subscribe()
+    first = _request("a", list(range(12)))
+    kv.allocate_slots(first, 12)
+    first.num_computed_tokens = 12
+    kv.free(first)
+    events.flush()
+    second = _request("b", list(range(100, 108)))
+    kv.allocate_slots(second, 8)  # 2 blocks per group: 2 free ones, then evicts 2 cached
+    events.flush()
+    replayer = KVEventReplayer()
+    for _ in range(3):  # the snapshot, then both batches, through the gRPC message
+        replayer.apply(
+            convert.kv_event_batch_from_proto(convert.kv_event_batch_to_proto(sub.get(0)))
+        )
+    cached = kv.block_pool.cached
+    hashes = kv.hasher.update(first) + kv.hasher.update(second)
+    for g in (0, 1):
+        want = {h for h in hashes if kv._key(h, g) in cached}
+        assert replayer.groups[g][DEVICE] == want == events.cached_hashes(g)[DEVICE]
+    assert sum(len(replayer.groups[g][DEVICE]) for g in (0, 1)) == len(cached) == 8
+    assert replayer.tiers is replayer.groups[0]
+    late = KVEventReplayer()
+    late.apply(events.subscribe().get(0))  # a snapshot names the groups too
+    assert late.groups == replayer.groups
+
+
+def test_blocks_in_use_per_group_count_each_groups_held_blocks_once():
+    kv = HybridKVCacheManager(60, BS, (0, 6))
+    a = _request("a", list(range(20)))
+    _run(kv, a, 4, 10)  # past its prompt: the window gave blocks back
+    b = _request("b", list(range(20)) + [99, 98])  # a prefix hit on a's blocks
+    _run(kv, b, 4, 2)
+    used = kv.blocks_in_use_per_group()
+    oracle = [
+        len({blk.block_id for rid in "ab" for blk in kv.group_tables(rid)[g] if blk.block_id})
+        for g in range(2)
+    ]
+    assert used == oracle
+    held = [kv.num_held_blocks("a", g) + kv.num_held_blocks("b", g) for g in range(2)]
+    assert used[0] < held[0]  # shared prefix blocks count once
+    assert used[1] < used[0]  # the sliding group holds a window's worth
+    pool = kv.block_pool
+    assert sum(used) == pool.num_usable - pool.get_num_free_blocks()
+    kv.free(a)
+    kv.free(b)
+    assert kv.blocks_in_use_per_group() == [0, 0]
+
+
+def test_one_group_manager_reports_its_blocks_as_one_full_group():
+    kv = make_kv_cache_manager(CacheConfig(block_size=BS, num_blocks=8))
+    kv.allocate_slots(_request("a", list(range(9))), 9)
+    assert (kv.windows, kv.blocks_in_use_per_group()) == ((0,), [3])
+
+
+def test_preempted_blocks_never_computed_leave_every_groups_events():
+    from tokenbudget.core.kv.events import DEVICE
+    from tokenbudget.core.kv.tiering import KVTiering
+
+    cfg = CacheConfig(
+        block_size=BS, num_blocks=9, kv_group_windows=(0, 5), enable_kv_cache_events=True
+    )
+    tiering = KVTiering(cfg)
+    kv, events = tiering.kv, tiering.events
+    req = _request("a", list(range(12)))
+    kv.allocate_slots(req, 12)  # its 3 full blocks are hashed when scheduled
+    events.flush()
+    assert all(len(events.cached_hashes(g)[DEVICE]) == 3 for g in (0, 1))
+    tiering.on_preempt(req)  # preempted before that step ran: nothing computed
+    events.flush()
+    assert not kv.block_pool.cached
+    assert events.cached_hashes(0)[DEVICE] == events.cached_hashes(1)[DEVICE] == set()

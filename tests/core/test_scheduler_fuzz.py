@@ -547,10 +547,9 @@ def teardown_module() -> None:
 
 class GroupsMachine(SchedulerMachine):
     """The same machine over a model with KV cache groups (core/kv/groups.py):
-    full + sliding window, or a sliding window alone. (SchedulerMachine's own
-    source is left alone: Hypothesis seeds its examples from it.) With
-    grammars too, it found a broken-grammar request that never finished,
-    not diagnosed yet (windows (0, 5), two restarts to small pools)."""
+    full + sliding window, or a sliding window alone, grammars on or off.
+    (SchedulerMachine's own source is left alone: Hypothesis seeds its
+    examples from it.)"""
 
     @initialize(
         config=configs(),
@@ -561,8 +560,7 @@ class GroupsMachine(SchedulerMachine):
     )
     def setup(self, config, windows, seed: int, tick_s: float, came_back_smaller: bool) -> None:
         self.windows = windows
-        # Without grammars: this machine is about the KV cache.
-        super().setup((*config[:2], False, config[3]), seed, tick_s, came_back_smaller)
+        super().setup(config, seed, tick_s, came_back_smaller)
 
     @property
     def pool_tokens(self) -> int:

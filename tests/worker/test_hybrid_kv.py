@@ -8,6 +8,8 @@ sliding-window-only model holds a window's worth of blocks at every step."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +224,55 @@ def test_a_remote_worker_reports_its_groups_and_runs_them(tmp_path):
         core.shutdown()
     finally:
         server.stop(0)
+
+
+def test_getstats_reports_each_groups_window_and_blocks_in_use(tmp_path, serving):
+    from tokenbudget.server.engine.async_engine import AsyncEngine
+    from tokenbudget.server.engine.input_processor import InputProcessor
+
+    path = _build(tmp_path, "qwen2")
+    llm = LLM(path, max_num_batched_tokens=16, num_gpu_blocks=64, block_size=BS, max_model_len=128)
+    engine = AsyncEngine(llm.engine, InputProcessor.from_pretrained(path), model_name="qwen2")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with serving(engine) as client:
+        stream = client.generate_stream({"token_ids": _prompts(1, [3 * WINDOW])[0]}, params)
+        for _, msg in zip(range(20), stream):  # well past the window: blocks given back
+            assert not msg.finish_reason
+        mid = client.stats()
+        stream.close()
+        for _ in range(100):
+            idle = client.stats()
+            if idle.num_running == 0:
+                break
+            time.sleep(0.05)
+    assert [g.window for g in mid.kv_groups] == [0, WINDOW]
+    full, sliding = (g.num_blocks_used for g in mid.kv_groups)
+    # Every block in use is in one group; the window holds fewer than full attention.
+    assert full + sliding == mid.num_total_blocks - mid.num_free_blocks
+    assert full >= -(-(3 * WINDOW + 20) // BS) and 0 < sliding < full
+    assert [(g.window, g.num_blocks_used) for g in idle.kv_groups] == [(0, 0), (WINDOW, 0)]
+
+
+def test_kv_events_over_grpc_name_each_blocks_group(tmp_path, serving):
+    from tokenbudget.core.kv.events import DEVICE, KVEventReplayer
+    from tokenbudget.server.engine.async_engine import AsyncEngine
+    from tokenbudget.server.engine.input_processor import InputProcessor
+
+    path = _build(tmp_path, "qwen2")
+    llm = LLM(
+        path, num_gpu_blocks=64, block_size=BS, max_model_len=128, enable_kv_cache_events=True
+    )
+    engine = AsyncEngine(llm.engine, InputProcessor.from_pretrained(path), model_name="qwen2")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with serving(engine) as client:
+        client.generate({"token_ids": _prompts(1, [3 * WINDOW])[0]}, params)
+        stream = client.subscribe_kv_events()
+        replayer = KVEventReplayer()
+        replayer.apply(next(iter(stream)))  # the snapshot, as of now (nothing runs)
+        stream.cancel()
+    cached = llm.engine.scheduler.kv_cache_manager.block_pool.cached
+    assert set(replayer.groups) == {0, 1}
+    full, sliding = replayer.groups[0][DEVICE], replayer.groups[1][DEVICE]
+    assert len(full) == (3 * WINDOW + 8 - 1) // BS  # every full block computed
+    assert sliding and sliding <= full
+    assert {h + b"\x01" for h in sliding} | full == set(cached)
