@@ -22,22 +22,26 @@ import json
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokenbudget.core.kv.connector import KVConnectorMetadata, KVSend
-from tokenbudget.worker.kv_transfer_nixl import _MATCHED, _descs, _Outcomes, _Refused, merge_runs
+from tokenbudget.worker.kv_transfer_nixl import (
+    _MATCHED,
+    KVSendLoop,
+    _descs,
+    _Outcomes,
+    _Refused,
+    merge_runs,
+)
 
 __all__ = ["MooncakeKVTransfer", "merge_runs"]
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "mooncake"
-# close() waits this long for writes in flight (Mooncake cannot abort them).
-_CLOSE_WAIT_S = 5.0
 # Mooncake's TCP transport rejects descriptors past this many queued per peer
 # (its default is 1024, its maximum 65535; a 256-block scattered send of a
 # 28-layer model is 14,336). Set before the engine starts, unless the user set it.
@@ -53,7 +57,7 @@ class _Write:
     error: str = ""
 
 
-class MooncakeKVTransfer:
+class MooncakeKVTransfer(KVSendLoop):
     """This rank's KV cache, registered once with a Mooncake transfer engine;
     ``start`` writes a step's sends to peers (rank r to the peer's rank r),
     ``poll`` says which settled. ``hostname``: the address peers reach this
@@ -96,27 +100,12 @@ class MooncakeKVTransfer:
         ``meta.cancels`` need nothing here: every send starts at once, and
         Mooncake has no way to abort a write in flight, so it is left to
         finish; a cancelled send is reported, like any other, once it settled."""
-        for send in meta.sends:
-            try:
-                self._start(send)
-            except _Refused as exc:
-                self._outcomes.failed[send.request_id] = str(exc)
-
-    def poll(self) -> tuple[set[str], dict[str, str]]:
-        """Sends that settled since the last poll: (finished, failed: id -> why).
-        Either way nothing writes their blocks any more."""
-        for rid in list(self._inflight):
-            self._settle(rid)
-        out, self._outcomes = self._outcomes, _Outcomes()
-        return out.finished, out.failed
+        self._start_all(meta.sends)
 
     def close(self) -> None:
         """Deregister the cache and stop the engine (idempotent); writes in
         flight get a few seconds to finish first."""
-        deadline = time.monotonic() + _CLOSE_WAIT_S
-        while self._inflight and time.monotonic() < deadline:
-            self.poll()
-            time.sleep(0.001)
+        self._wait_for_writes()
         if self._inflight:
             logger.warning("Mooncake: %d KV sends still writing at shutdown", len(self._inflight))
             self._inflight.clear()

@@ -65,7 +65,47 @@ def merge_runs(src: list[int], dst: list[int]) -> np.ndarray:
     return np.stack([s[starts], d[starts], lengths], axis=1)
 
 
-class NixlKVTransfer:
+class KVSendLoop:
+    """What every transfer backend does alike: start a step's sends (one
+    that cannot start fails with its reason instead of raising), report
+    each once it settled, and let writes in flight finish before closing.
+    A backend provides ``_start(send)`` (raising _Refused), ``_settle(rid)``
+    (moving a settled send from ``_inflight`` to ``_outcomes``) and the two
+    attributes."""
+
+    _inflight: dict
+    _outcomes: _Outcomes
+
+    def _start(self, send: KVSend) -> None:
+        raise NotImplementedError
+
+    def _settle(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def _start_all(self, sends: list[KVSend]) -> None:
+        for send in sends:
+            try:
+                self._start(send)
+            except _Refused as exc:
+                self._outcomes.failed[send.request_id] = str(exc)
+
+    def poll(self) -> tuple[set[str], dict[str, str]]:
+        """Sends that settled since the last poll: (finished, failed: id -> why).
+        Either way nothing writes their blocks any more."""
+        for rid in list(self._inflight):
+            self._settle(rid)
+        out, self._outcomes = self._outcomes, _Outcomes()
+        return out.finished, out.failed
+
+    def _wait_for_writes(self) -> None:
+        """Give writes in flight a few seconds to finish (before closing)."""
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        while self._inflight and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.001)
+
+
+class NixlKVTransfer(KVSendLoop):
     """This rank's KV cache, registered once; ``start`` writes a step's sends
     to peers (rank r to the peer's rank r), ``poll`` says which settled."""
 
@@ -145,27 +185,12 @@ class NixlKVTransfer:
         if meta.sends and self.device.type == "cuda":
             # The forward that wrote these blocks may still be running.
             torch.cuda.current_stream(self.device).synchronize()
-        for send in meta.sends:
-            try:
-                self._start(send)
-            except _Refused as exc:
-                self._outcomes.failed[send.request_id] = str(exc)
-
-    def poll(self) -> tuple[set[str], dict[str, str]]:
-        """Sends that settled since the last poll: (finished, failed: id -> why).
-        Either way nothing writes their blocks any more."""
-        for rid in list(self._inflight):
-            self._settle(rid)
-        out, self._outcomes = self._outcomes, _Outcomes()
-        return out.finished, out.failed
+        self._start_all(meta.sends)
 
     def close(self) -> None:
         """Deregister the cache (idempotent); writes in flight get a few
         seconds to finish first, then are aborted."""
-        deadline = time.monotonic() + _CLOSE_WAIT_S
-        while self._inflight and time.monotonic() < deadline:
-            self.poll()
-            time.sleep(0.001)
+        self._wait_for_writes()
         for handle in self._inflight.values():
             try:
                 handle.release()
