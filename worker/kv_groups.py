@@ -30,7 +30,7 @@ from tokenbudget.worker.kv_cache import blocks_per_request
 logger = logging.getLogger(__name__)
 
 # Backends that compute a window and a soft-cap exactly.
-_WINDOW_BACKENDS = ("sdpa", "triton")
+_WINDOW_BACKENDS = ("sdpa", "triton", "cpu")
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,8 +99,9 @@ def _prompts(n: int, lengths, seed: int = 3, prefix: list[int] | None = None):
     ]
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_greedy_equals_transformers_with_chunks_prefix_hits_and_preemption(tmp_path, arch):
+def test_greedy_equals_transformers_with_chunks_prefix_hits_and_preemption(tmp_path, arch, backend):
     path = _build(tmp_path, arch)
     shared = _prompts(1, [3 * WINDOW + 5], seed=7)[0]  # several windows long
     first = _prompts(3, [70, 45, 2 * WINDOW + 3])
@@ -110,7 +111,12 @@ def test_greedy_equals_transformers_with_chunks_prefix_hits_and_preemption(tmp_p
     # once (in every group), so some are preempted and recomputed.
     blocks = 14 if arch == "mistral" else 40  # Mistral: one sliding group, a few blocks each
     llm = LLM(
-        path, max_num_batched_tokens=24, num_gpu_blocks=blocks, block_size=BS, max_model_len=96
+        path,
+        max_num_batched_tokens=24,
+        num_gpu_blocks=blocks,
+        block_size=BS,
+        max_model_len=96,
+        attention_backend=backend,  # both compute windows and soft-caps in place
     )
     kv = llm.engine.scheduler.kv_cache_manager
     assert isinstance(kv, HybridKVCacheManager)
