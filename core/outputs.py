@@ -148,7 +148,8 @@ class KVCacheSpec:
 
     num_blocks: int  # device blocks, block 0 (the null block) included
     num_offload_blocks: int = 0  # host KV tier slots (0: no host tier)
-    # Attention window of each KV cache group (0: full); () is one full group.
+    # Attention window of each KV cache group (0: full, W > 0: sliding, -C: chunks of
+    # C, core/kv/groups.py); () is one full group.
     kv_group_windows: tuple[int, ...] = ()
     # Per TP rank, in rank order: how a peer engine reaches this rank's KV
     # (CacheConfig.kv_transfer_backend set; () otherwise).

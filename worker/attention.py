@@ -102,6 +102,8 @@ class PagedAttentionMetadata:
     packed_kv_slots: torch.Tensor | None = None
     # Each query sees its last ``window`` positions (itself included); 0: all.
     window: int = 0
+    # Chunked local attention: a query at position p sees keys from p // chunk * chunk on.
+    chunk: int = 0
     # With KV cache groups (worker/kv_groups.py): the metadata of each layer's group.
     by_layer: list[PagedAttentionMetadata] | None = None
 
@@ -116,9 +118,11 @@ def build_metadata(
     slot_mapping: np.ndarray,
     device: torch.device,
     window: int = 0,
+    chunk: int = 0,
 ) -> PagedAttentionMetadata:
     """Host-side, vectorised: ``block_tables`` holds one row per scheduled request
-    (``window``: the attention window of the layers reading it, 0: full)."""
+    (``window``: the attention window of the layers reading it, 0: full;
+    ``chunk``: their attention chunk size, 0: none)."""
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start[1:])
     seq_start = np.zeros(len(seq_lens) + 1, dtype=np.int32)
@@ -141,6 +145,7 @@ def build_metadata(
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         window=window,
+        chunk=chunk,
     )
     if backend == "flash_attn":
         if block_size % _FLASH_PAGE_MULTIPLE:
@@ -151,7 +156,7 @@ def build_metadata(
     if backend in _PAGED_KERNEL_MODULES:  # in-place kernels need only the tensors above
         return meta
     meta.decodes, meta.prefills = _sdpa_plan(
-        query_lens, query_start, seq_lens, block_tables, block_size, device, to_dev, window
+        query_lens, query_start, seq_lens, block_tables, block_size, device, to_dev, window, chunk
     )
     return meta
 
@@ -165,6 +170,7 @@ def _sdpa_plan(
     device: torch.device,
     to_dev,
     window: int = 0,
+    chunk: int = 0,
 ) -> tuple[tuple[DecodeGroup, ...], tuple[PrefillSeq, ...]]:
     """sdpa's (decodes, prefills): PagedAttentionMetadata's fields of that name."""
     # Reads gather whole blocks (index_select over contiguous block rows), far
@@ -179,7 +185,7 @@ def _sdpa_plan(
     decodes = (
         tuple(
             _decode_group(
-                idx, query_start, seq_lens, num_blocks, block_tables, block_size, to_dev, window
+                idx, query_start, seq_lens, block_tables, block_size, to_dev, window, chunk
             )
             for idx in np.array_split(decode_idx, num_groups)
             if len(idx)
@@ -191,12 +197,15 @@ def _sdpa_plan(
     for i in np.flatnonzero(~is_decode):
         q, L = int(query_lens[i]), int(seq_lens[i])
         mask = None
-        if q != L or (window and window < L):
+        if q != L or (window and window < L) or (chunk and chunk < L):
             # Query j sits at absolute position L - q + j and sees keys 0..L-q+j
-            # (the last ``window`` of them with a window).
+            # (the last ``window`` of them with a window, those of its chunk with chunks).
             mask = torch.ones(q, L, dtype=torch.bool, device=device).tril(L - q)
             if window:
                 mask &= ~torch.ones_like(mask).tril(L - q - window)
+            if chunk:
+                pos = torch.arange(L - q, L, device=device)[:, None]
+                mask &= torch.arange(L, device=device)[None, :] >= pos // chunk * chunk
         prefills.append(
             PrefillSeq(
                 int(query_start[i]),
@@ -213,17 +222,19 @@ def _decode_group(
     idx: np.ndarray,
     query_start: np.ndarray,
     seq_lens: np.ndarray,
-    num_blocks: np.ndarray,
     block_tables: np.ndarray,
     block_size: int,
     to_dev,
     window: int = 0,
+    chunk: int = 0,
 ) -> DecodeGroup:
-    max_blocks = int(num_blocks[idx].max())
+    max_blocks = -(-int(seq_lens[idx].max()) // block_size)
     pos = np.arange(max_blocks * block_size)[None, :]
     valid = pos < seq_lens[idx, None]
     if window:
         valid &= pos >= seq_lens[idx, None] - window
+    if chunk:  # the query sits at seq_len - 1
+        valid &= pos >= (seq_lens[idx, None] - 1) // chunk * chunk
     return DecodeGroup(
         to_dev(query_start[idx], torch.long),
         to_dev(block_tables[idx, :max_blocks], torch.long),
@@ -269,6 +280,8 @@ def paged_attention_forward(
         raise NotImplementedError("attention sinks are not supported by the paged backend")
     softcap = kwargs.get("softcap") or None
     q = query[0].transpose(0, 1)  # [T, H, D]
+    if getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
+        q = _retune_temperature(q, module, meta)
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     cache = meta.kv_caches[module.layer_idx]
@@ -280,21 +293,40 @@ def paged_attention_forward(
         out = _sdpa_attention(q, cache, meta, scaling, softcap)
     elif meta.backend == "flash_attn":
         out = _flash_attention(q, cache, flat, meta, scaling)
-    elif meta.window or softcap:
+    elif meta.window or softcap or meta.chunk:
         kernel = paged_kernel(meta.backend)
-        out = kernel(
-            q, cache[0], cache[1], meta, scaling, sliding_window=meta.window, softcap=softcap
-        )
+        masking = dict(sliding_window=meta.window, softcap=softcap, chunk=meta.chunk)
+        out = kernel(q, cache[0], cache[1], meta, scaling, **masking)
     else:
         out = paged_kernel(meta.backend)(q, cache[0], cache[1], meta, scaling)
     return out.unsqueeze(0), None
+
+
+def _retune_temperature(q: torch.Tensor, module, meta: PagedAttentionMetadata) -> torch.Tensor:
+    """Llama 4's NoPE layers scale the query at position p by
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``, p counted from
+    transformers' KV cache, which the paged forward has none of: the query
+    arrives scaled by its index in the packed step. Rescale to its position."""
+    qs, seq_lens = meta.query_start_loc.long(), meta.seq_lens.long()
+    q_lens = qs[1:] - qs[:-1]
+    req = torch.repeat_interleave(torch.arange(len(q_lens), device=q.device), q_lens)
+    index = torch.arange(q.shape[0], device=q.device)
+    pos = index.clone()  # tokens past the last request (padding) keep their scale
+    pos[: len(req)] = index[: len(req)] - qs[req] + seq_lens[req] - q_lens[req]
+
+    def scale(p: torch.Tensor) -> torch.Tensor:
+        steps = torch.floor((p.float() + 1.0) / module.floor_scale)
+        return torch.log1p(steps) * module.attn_scale + 1.0
+
+    return (q * (scale(pos) / scale(index))[:, None, None]).to(q.dtype)
 
 
 # Backends that read the paged cache in place, each in its own module as
 # ``paged_attention(q [T, H, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
 # meta: PagedAttentionMetadata, scale: float | None) -> out [T, H, D]``: they
 # read meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len
-# and meta.max_seq_len, causal with the query's end aligned to the context's end.
+# and meta.max_seq_len, causal with the query's end aligned to the context's end;
+# keywords ``sliding_window``, ``softcap`` and ``chunk`` (0 or None: off) mask more.
 _PAGED_KERNEL_MODULES: dict[str, str] = {
     "triton": "tokenbudget.worker.attention_triton",
     "cpu": "tokenbudget.worker.attention_cpu",

@@ -183,11 +183,14 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """attention.paged_kernel's contract: q [T, H, D], caches
     [num_blocks, block_size, Hkv, D] -> [T, H, D] in q's dtype.
     ``sliding_window``: each query sees its last W positions (itself
-    included); ``softcap``: scores become ``c * tanh(s / c)`` before softmax."""
+    included); ``chunk``: a query at position p sees keys from
+    ``p // chunk * chunk`` on (both may hold: the later bound wins);
+    ``softcap``: scores become ``c * tanh(s / c)`` before softmax."""
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
     return _kernel()(
@@ -200,4 +203,5 @@ def paged_attention(
         q.shape[-1] ** -0.5 if scale is None else scale,
         int(sliding_window or 0),
         float(softcap or 0.0),
+        int(chunk or 0),
     )

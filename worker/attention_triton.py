@@ -14,8 +14,9 @@ Causality is bottom-right aligned: query ``j`` of a request with ``q`` new
 tokens and context length ``L`` sits at position ``L - q + j`` and sees keys
 ``0 .. L - q + j`` (a chunk continuing its cached prefix). Optional, off by
 default: a sliding window (a query sees its last ``W`` positions, itself
-included, as transformers' sliding-window masks do) and a logit soft-cap
-(``s -> c * tanh(s / c)``).
+included, as transformers' sliding-window masks do), chunked local attention
+(a query at position p sees the keys from ``p // C * C`` on, Llama 4) and a
+logit soft-cap (``s -> c * tanh(s / c)``).
 
 Decode steps with too few programs to fill the GPU (small batches, long
 contexts) split each context into ``NUM_SPLITS`` ranges attended by separate
@@ -84,9 +85,21 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _first_key(pos, window, chunk, USE_WINDOW, USE_CHUNK):
+    """The earliest key a query at position ``pos`` sees."""
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+    if USE_CHUNK:
+        lo = tl.maximum(lo, pos // chunk * chunk)
+    return lo
+
+
+@triton.jit
 def _masked_scores(
-    q, kt, offs_n, q_pos, row_ok, scale, softcap, window, USE_SOFTCAP, USE_WINDOW, UPCAST, PREC
-):
+    q, kt, offs_n, q_pos, row_ok, scale, softcap, window, chunk,
+    USE_SOFTCAP, USE_WINDOW, USE_CHUNK, UPCAST, PREC,
+):  # fmt: skip
     """Scaled (and soft-capped) scores, -inf where a row may not see a key."""
     if UPCAST:
         kt = kt.to(tl.float32)
@@ -97,6 +110,8 @@ def _masked_scores(
     seen = (offs_n[None, :] <= q_pos[:, None]) & row_ok[:, None]
     if USE_WINDOW:
         seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
+    if USE_CHUNK:
+        seen = seen & (offs_n[None, :] >= (q_pos // chunk * chunk)[:, None])
     return tl.where(seen, s, float("-inf"))
 
 
@@ -137,12 +152,13 @@ def _store_rows(out_ptr, part_ptr, stats_ptr, acc, m_i, l_i, rows, row_ok, offs_
 def _paged_attention_kernel(
     out_ptr, part_ptr, stats_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, softcap, window, num_seqs,
+    scale, softcap, window, chunk, num_seqs,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
     seq = _find_request(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
@@ -165,9 +181,9 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     # Keys past the block's last query are masked for every row: stop there.
     kv_end = ctx_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len)
-    kv_begin = 0
-    if USE_WINDOW:
-        kv_begin = tl.maximum(ctx_len - q_len + first_q - window + 1, 0) // TILE_N * TILE_N
+    # The block's first query sees the earliest key any of its rows does.
+    kv_begin = _first_key(ctx_len - q_len + first_q, window, chunk, USE_WINDOW, USE_CHUNK)
+    kv_begin = kv_begin // TILE_N * TILE_N
     kv_stop = kv_end
     if NUM_SPLITS > 1:  # this program's share: whole tiles
         per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, TILE_N), NUM_SPLITS) * TILE_N
@@ -185,8 +201,8 @@ def _paged_attention_kernel(
             k_base, v_base, table, offs_n, n_ok, offs_d, d_ok, stride_kb, stride_ks, BLOCK_SIZE
         )
         s = _masked_scores(
-            q, kt, offs_n, q_pos, row_ok, scale, softcap, window, USE_SOFTCAP, USE_WINDOW,
-            UPCAST, PREC,
+            q, kt, offs_n, q_pos, row_ok, scale, softcap, window, chunk, USE_SOFTCAP,
+            USE_WINDOW, USE_CHUNK, UPCAST, PREC,
         )  # fmt: skip
         m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, UPCAST, PREC)
     rows = (q_start + q_idx) * (tl.num_programs(1) * QUERIES_PER_KV) + head
@@ -260,6 +276,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_kv_splits: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries ``q [T, H, D]`` over each request's
     context in ``k_cache`` / ``v_cache [num_blocks, block_size, Hkv, D]``
@@ -268,7 +285,8 @@ def paged_attention(
     Returns ``[T, H, D]``, contiguous.
 
     ``sliding_window``: each query sees its last W positions (itself
-    included); ``softcap``: scores become ``c * tanh(s / c)`` before softmax;
+    included); ``chunk``: a query at position p sees keys from ``p // chunk *
+    chunk`` on; ``softcap``: scores become ``c * tanh(s / c)`` before softmax;
     ``num_kv_splits``: split-KV ranges per context (default: chosen per step)."""
     _check_inputs(q, k_cache, v_cache)
     (num_tokens, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
@@ -289,12 +307,12 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, splits)](
         out, part, stats, q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc,
         scale if scale is not None else 1.0 / math.sqrt(head_dim),
-        float(softcap or 0.0), int(sliding_window or 0), num_seqs,
+        float(softcap or 0.0), int(sliding_window or 0), int(chunk or 0), num_seqs,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=k_cache.shape[1],
         QUERIES_PER_KV=group, BLOCK_Q=block_m // group, BLOCK_M=block_m,
         TILE_N=_DECODE_TILE if meta.max_query_len == 1 else _PREFILL_TILE, NUM_SPLITS=splits,
-        USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window),
+        USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), USE_CHUNK=bool(chunk),
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """KV cache groups, worker side (the scheduler side is core/kv/groups.py).
 
-Layers are grouped by attention window (0: full). Block ids reach the batch
+Layers are grouped by attention window (0: full, W > 0: sliding, -C: chunked
+local attention in chunks of C tokens, core/kv/groups.py). Block ids reach the batch
 interleaved over the G groups (block j of group g at column j * G + g), so
 group g's table is ``block_table[:, g::G]`` and its slots come from it.
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenbudget.core.kv.groups import group_layers
+from tokenbudget.core.kv.groups import chunked, group_layers
 from tokenbudget.worker.attention import (
     allocate_kv_caches,
     build_metadata,
@@ -29,7 +30,7 @@ from tokenbudget.worker.kv_cache import blocks_per_request
 
 logger = logging.getLogger(__name__)
 
-# Backends that compute a window and a soft-cap exactly.
+# Backends that compute a window, a chunk and a soft-cap exactly.
 _WINDOW_BACKENDS = ("sdpa", "triton", "cpu")
 
 
@@ -37,7 +38,7 @@ _WINDOW_BACKENDS = ("sdpa", "triton", "cpu")
 class KVLayout:
     """Which KV group and which KV tensor each decoder layer uses."""
 
-    windows: tuple[int, ...]  # attention window of each group (0: full)
+    windows: tuple[int, ...]  # attention window of each group (0: full, -C: chunked)
     layer_group: tuple[int, ...]
     layer_slot: tuple[int, ...]  # index of the layer's KV tensor
     num_slots: int
@@ -54,21 +55,30 @@ class KVLayout:
 
 
 def layer_windows(text_config) -> list[int]:
-    """The attention window of each decoder layer (0: full attention), read
-    the way transformers builds its masks: ``layer_types`` when the config
-    has them, else every layer uses ``sliding_window`` (Mistral)."""
+    """The attention window of each decoder layer (0: full attention, -C:
+    chunked local attention), read the way transformers builds its masks:
+    ``layer_types`` when the config has them (``chunked_attention`` layers
+    attend within ``attention_chunk_size`` tokens, Llama 4), else every layer
+    uses ``sliding_window`` (Mistral)."""
     n = int(text_config.num_hidden_layers)
     window = getattr(text_config, "sliding_window", None) or 0
-    if not window or getattr(text_config, "use_sliding_window", True) is False:
-        return [0] * n
+    if getattr(text_config, "use_sliding_window", True) is False:
+        window = 0
     types = getattr(text_config, "layer_types", None)
-    if types is None:
+    chunk = getattr(text_config, "attention_chunk_size", None) if types else None
+    if types is None or not (window or chunk):
         return [int(window)] * n
+    kinds = {"full_attention": 0, "sliding_attention": int(window)}
+    if chunk:
+        kinds["chunked_attention"] = chunked(int(chunk))
     out = []
     for t in types:
-        if t not in ("sliding_attention", "full_attention"):
-            raise ValueError(f"layer type {t!r} is not supported (full and sliding only)")
-        out.append(int(window) if t == "sliding_attention" else 0)
+        if t not in kinds:
+            raise ValueError(
+                f"layer type {t!r} is not supported (full, sliding and chunked attention"
+                " with an attention_chunk_size)"
+            )
+        out.append(kinds[t])
     return out
 
 
@@ -84,11 +94,14 @@ def kv_layout(text_config) -> KVLayout:
 
 
 def backend_for(backend: str, layout: KVLayout) -> str:
-    """``backend``, or sdpa when it cannot compute the layout's windows or soft-cap."""
+    """``backend``, or sdpa when it cannot compute the layout's windows,
+    chunks or soft-cap."""
     if layout.plain or backend in _WINDOW_BACKENDS:
         return backend
     logger.info(
-        "attention: %s computes no sliding window / soft-cap; this model runs on sdpa", backend
+        "attention: %s computes no sliding window / chunked attention / soft-cap;"
+        " this model runs on sdpa",
+        backend,
     )
     return "sdpa"
 
@@ -103,11 +116,13 @@ def layout_block_bytes(runner, block_size: int) -> int:
 
 def blocks_per_seq(runner, scheduler_config, block_size: int) -> int:
     """Blocks one sequence at full length holds over every group: a sliding
-    group at most its window plus one prefill chunk (and a partial block)."""
+    group at most its window plus one prefill chunk (and a partial block); a
+    chunked group (window -C) as much, since a chunk starts at most C - 1
+    tokens before the next computed position."""
     full = blocks_per_request(scheduler_config, block_size)
     chunk = scheduler_config.max_num_batched_tokens + scheduler_config.num_speculative_tokens
     return sum(
-        full if w == 0 else min(full, -(-(w - 1 + chunk) // block_size) + 1)
+        full if w == 0 else min(full, -(-(abs(w) - 1 + chunk) // block_size) + 1)
         for w in runner.kv_layout.windows
     )
 
@@ -143,7 +158,8 @@ def group_metadata(runner, step, seq_lens: np.ndarray, rows_rep: np.ndarray):
                 table[rows][:, g::num_groups][:, :max_blocks],
                 slots + positions % bs,
                 runner.device,
-                window=window,
+                window=max(window, 0),
+                chunk=max(-window, 0),
             )
         )
     metas[0].by_layer = [metas[g] for g in layout.layer_group]

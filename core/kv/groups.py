@@ -1,13 +1,17 @@
 """KV cache groups: one block table per attention type, over one block pool.
 
 A model whose layers attend differently (full attention, a sliding window of
-W tokens) gets one *group* per kind: ``windows[g]`` is 0 for full attention,
-else W. Every group of a request has a table of the same length, one entry
-per block of its tokens, so a block's index still says which tokens it holds.
-A sliding-window group replaces blocks no future query can see (every token
-of the block lies before ``position - W + 1`` for the next computed position)
-with the null block 0 and frees them: a long request holds
-``O(W / block_size)`` blocks there.
+W tokens, chunked local attention within chunks of C tokens as in Llama 4)
+gets one *group* per kind: ``windows[g]`` is 0 for full attention, W > 0 for
+a sliding window, ``-C`` for chunked local attention (``chunked(C)``: one int,
+so the windows cross every boundary as before). A query at position p sees
+the keys from ``first_visible(p, window)`` to p: 0, ``p - W + 1``, or its
+chunk's start ``p // C * C``. Every group of a request has a table of the
+same length, one entry per block of its tokens, so a block's index still says
+which tokens it holds. A sliding or chunked group replaces blocks no future
+query can see (every token of the block lies before ``first_visible`` of the
+next computed position) with the null block 0 and frees them: a long request
+holds ``O(W / block_size)`` (``O(C / block_size)``) blocks there.
 
 The pool is shared: the worker gives layer ``i`` of each group the same KV
 tensor (worker/kv_cache.py), so a block id names memory in exactly one group
@@ -17,9 +21,10 @@ so every message keeps one flat list per request and one group is today's
 layout exactly.
 
 A prefix-cache hit of ``k`` blocks needs, in a full group, blocks ``0..k-1``
-cached; in a sliding group only the blocks the next query reads (the last
-``W - 1`` tokens before position ``k * block_size``). The request's hit is
-the longest ``k`` every group can serve. Groups share the block hashes of the
+cached; in a sliding or chunked group only the blocks the next query reads
+(from ``first_visible(k * block_size)`` on: the last ``W - 1`` tokens, or the
+chunk so far, none at a chunk's start). The request's hit is the longest
+``k`` every group can serve. Groups share the block hashes of the
 request; group ``g > 0`` finds its blocks under the hash with ``g`` appended.
 """
 
@@ -36,10 +41,27 @@ if TYPE_CHECKING:
 FULL = 0  # the window of a full-attention group
 
 
+def chunked(chunk_size: int) -> int:
+    """The window value of a chunked local attention group of ``chunk_size`` tokens."""
+    if chunk_size < 1:
+        raise ValueError(f"attention chunk size must be >= 1, got {chunk_size}")
+    return -chunk_size
+
+
+def first_visible(position: int, window: int) -> int:
+    """The earliest key position a query at ``position`` sees in a group of ``window``."""
+    if window > 0:
+        return max(0, position - window + 1)
+    if window < 0:
+        return position // -window * -window
+    return 0
+
+
 def group_layers(layer_windows: list[int]) -> tuple[tuple[int, ...], list[int]]:
     """(window of each group, group of each layer) for layers with the given
-    windows (0: full): full attention first, then windows in increasing order."""
-    windows = tuple(sorted(set(layer_windows)))
+    windows (0: full, -C: chunked): full attention first, then sliding windows
+    in increasing order, then chunk sizes in increasing order."""
+    windows = tuple(sorted(set(layer_windows), key=lambda w: (w < 0, abs(w))))
     index = {w: g for g, w in enumerate(windows)}
     return windows, [index[w] for w in layer_windows]
 
@@ -57,12 +79,12 @@ class GroupHits(list):
 
 class HybridKVCacheManager(KVCacheManager):
     """KVCacheManager with one table per group (``windows``, see above).
-    Its tiering: no host tier; KV events name each block's group."""
+    Its host tier: core/kv/group_loads.py; KV events name each block's group."""
 
     def __init__(self, num_blocks: int, block_size: int, windows: tuple[int, ...], **kw) -> None:
         super().__init__(num_blocks, block_size, **kw)
-        if any(w < 0 for w in windows) or not windows:
-            raise ValueError(f"group windows must be >= 0 (0: full attention), got {windows}")
+        if not windows:
+            raise ValueError("a hybrid KV cache needs at least one group window")
         self.windows = windows
         self.tables: dict[str, list[list[KVCacheBlock]]] = {}
         evict = self.block_pool.on_evict
@@ -106,9 +128,7 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _num_skipped(self, num_computed: int, window: int) -> int:
         """Leading blocks no query at position >= ``num_computed`` can see."""
-        if window == FULL:
-            return 0
-        return max(0, (num_computed - window + 1) // self.block_size)
+        return first_visible(num_computed, window) // self.block_size
 
     def _servable(self, found: list, window: int, k: int) -> int:
         """The longest prefix of at most ``k`` blocks whose needed blocks are cached."""

@@ -1,6 +1,7 @@
 """KV cache groups (core/kv/groups.py): one table per attention type over one
-pool, sliding-window groups giving blocks back, and the prefix hit every
-group can serve, checked against a brute force over the cached blocks."""
+pool, sliding-window and chunked local groups giving blocks back, and the
+prefix hit every group can serve, checked against a brute force over the
+cached blocks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 from tokenbudget.core import CacheConfig, Request, SamplingParams
 from tokenbudget.core.kv import KVCacheManager
 from tokenbudget.core.kv.events import KVEventReplayer
-from tokenbudget.core.kv.groups import HybridKVCacheManager, group_layers
+from tokenbudget.core.kv.groups import HybridKVCacheManager, chunked, group_layers
 from tokenbudget.core.kv.tiering import make_kv_cache_manager
 
 BS = 4
@@ -49,6 +50,12 @@ def test_layers_group_full_first_then_by_window():
     assert group_layers([8, 0, 8, 0, 4]) == ((0, 4, 8), [2, 0, 2, 0, 1])
 
 
+def test_layers_group_full_then_windows_then_chunks():
+    c16, c4 = chunked(16), chunked(4)
+    assert group_layers([c16, 8, 0, c4, c16]) == ((0, 8, c4, c16), [3, 1, 0, 2, 3])
+    assert group_layers([c16, c16, c16, 0]) == ((0, c16), [1, 1, 1, 0])
+
+
 def test_block_ids_interleave_groups_and_allocation_takes_both():
     kv = HybridKVCacheManager(20, BS, (0, 6))
     req = _request("a", list(range(9)))
@@ -81,19 +88,73 @@ def test_a_long_request_holds_a_window_of_blocks_in_a_sliding_group():
     assert kv.block_pool.get_num_free_blocks() == 39
 
 
+def _sees(window: int, query: int, key: int) -> bool:
+    """Whether a query at position ``query`` attends to ``key`` (window 0:
+    full, W > 0: its last W positions, -C: the positions of its chunk of C)."""
+    if key > query:
+        return False
+    if window > 0:
+        return query - key < window
+    if window < 0:
+        return key // -window == query // -window
+    return True
+
+
+def test_a_long_request_holds_a_chunk_of_blocks_in_a_chunked_group():
+    chunk = 10
+    kv = HybridKVCacheManager(40, BS, (0, chunked(chunk)))
+    req = _request("a", list(range(3 * chunk)))
+    bound = -(-chunk // BS) + 2
+    null = kv.block_pool.null_block
+    computed = [BS]  # when the step's blocks were allocated (the first step: after admission)
+
+    def check(r: Request) -> None:
+        assert kv.num_held_blocks("a", 1) <= bound, kv.group_tables("a")
+        # Exactly the blocks before the chunk of the step's first position are given back.
+        start = computed[0] // chunk * chunk
+        table = kv.group_tables("a")[1]
+        assert [b is null for b in table] == [i < start // BS for i in range(len(table))]
+        computed[0] = r.num_computed_tokens
+
+    _run(kv, req, BS, 6 * chunk, check)
+    assert kv.num_held_blocks("a", 0) == -(-req.num_computed_tokens // BS)
+    kv.free(req)
+    kv.block_pool.check_invariants()
+    assert kv.block_pool.get_num_free_blocks() == 39
+
+
+def test_a_hit_at_a_chunk_start_needs_no_block_of_the_chunked_group():
+    kv = HybridKVCacheManager(40, BS, (0, chunked(8)))
+    prompt = list(range(30))
+    first = _request("a", prompt)
+    kv.allocate_slots(first, 30)
+    first.num_computed_tokens = 30
+    kv.free(first)
+    kv.block_pool.cached.pop(kv._key(kv.hasher.update(first)[5], 1))  # block 5 (20..23)
+    # A query at 24 (a chunk start) reads no cached block of the chunked group;
+    # at 28 it would need block 6 and, from 24, nothing missing, so 28 is a hit
+    # too, but at 20..23 it would read block 5 with the missing key.
+    second = _request("b", prompt + [1, 2])
+    hits, num_cached = kv.get_computed_blocks(second)
+    assert num_cached == 28 == _brute_force_hit(kv, second)
+    full, local = hits.tables
+    assert [b.block_id == 0 for b in local] == [True] * 6 + [False]
+    assert 0 not in [b.block_id for b in full]
+
+
 def _brute_force_hit(kv: HybridKVCacheManager, req: Request) -> int:
-    """The longest k blocks such that every group holds, cached, each block
-    a query at position k * BS reads (its last window - 1 tokens and before)."""
+    """The longest k blocks such that every group holds, cached, each of the
+    first k blocks holding a key the query at position k * BS reads."""
     hashes = kv.hasher.update(req)
     max_k = min(len(hashes), (req.num_tokens - 1) // BS)
     cached = kv.block_pool.cached
     for k in range(max_k, 0, -1):
         ok = True
         for g, w in enumerate(kv.windows):
-            first_pos = 0 if w == 0 else max(0, k * BS - w + 1)
-            for i in range(first_pos // BS, k):
-                key = hashes[i] if g == 0 else hashes[i] + bytes((g,))
-                ok &= key in cached
+            for i in range(k):
+                if any(_sees(w, k * BS, t) for t in range(i * BS, (i + 1) * BS)):
+                    key = hashes[i] if g == 0 else hashes[i] + bytes((g,))
+                    ok &= key in cached
         if ok:
             return k * BS
     return 0
@@ -102,7 +163,9 @@ def _brute_force_hit(kv: HybridKVCacheManager, req: Request) -> int:
 def test_prefix_hit_is_what_every_group_can_serve_by_brute_force():
     rng = random.Random(0)
     for trial in range(40):
-        windows = rng.choice([(0, 5), (0, 9), (7,), (0, 6, 13)])
+        windows = rng.choice(
+            [(0, 5), (0, 9), (7,), (0, 6, 13), (0, -6), (0, -8), (-9,), (0, 5, -12)]
+        )
         kv = HybridKVCacheManager(rng.randint(12, 40), BS, windows)
         base = [rng.randrange(50) for _ in range(40)]
         for i in range(rng.randint(1, 6)):

@@ -34,9 +34,10 @@ def kernel_builds():
     assert attention_cpu.cpu_kernel_problem() is None
 
 
-def naive_attention(q, k, v, scale, window=None, softcap=None):
+def naive_attention(q, k, v, scale, window=None, softcap=None, chunk=None):
     """q [q, H, D], k/v [L, Hkv, D], in float64; query j sits at position L - q + j
-    and sees the keys up to it (its last ``window`` ones); scores soft-capped."""
+    and sees the keys up to it (its last ``window`` ones; with ``chunk``, only
+    those in its chunk of that many positions); scores soft-capped."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
@@ -45,6 +46,8 @@ def naive_attention(q, k, v, scale, window=None, softcap=None):
     n_q, n_k = q.shape[0], k.shape[0]
     key, pos = torch.arange(n_k)[None, :], torch.arange(n_k - n_q, n_k)[:, None]
     hidden = (key > pos) | (key <= pos - window) if window else key > pos
+    if chunk:
+        hidden |= key // chunk != pos // chunk
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, -math.inf).softmax(-1), v)
 
 
@@ -117,7 +120,7 @@ def batch(seed, *, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=to
     )
 
 
-def run_paged(backend, b, tables=None, window=None, softcap=None):
+def run_paged(backend, b, tables=None, window=None, softcap=None, chunk=None):
     """One layer's paged_attention_forward: writes the new K/V, then attends."""
     meta = build_metadata(
         backend,
@@ -129,6 +132,7 @@ def run_paged(backend, b, tables=None, window=None, softcap=None):
         b.slot_mapping,
         CPU,
         window=window or 0,
+        chunk=chunk or 0,
     )
     out, _ = paged_attention_forward(
         SimpleNamespace(layer_idx=0),
@@ -178,6 +182,48 @@ def test_sliding_window_and_softcap_equal_dense_attention(window, softcap, dtype
         torch.testing.assert_close(
             out, run_paged("sdpa", b, window=window, softcap=softcap), atol=2e-2, rtol=2e-2
         )
+
+
+def null_before_first_visible_block(b, window=None, chunk=None):
+    """``b.tables`` with every block no query of its request sees replaced by
+    the null block 0 (as a sliding / chunked KV group frees them), and the
+    null block filled with garbage that any unmasked read would pick up."""
+    tables = b.tables.copy()
+    for i, (L, q) in enumerate(zip(b.seq_lens, b.query_lens)):
+        first = int(L - q)  # the first query's position: it sees the earliest keys
+        lo = max(0, first - window + 1) if window else 0
+        lo = max(lo, first // chunk * chunk) if chunk else lo
+        tables[i, : lo // b.block_size] = 0
+    b.cache[:, 0] = 100.0
+    return tables
+
+
+# Chunks of one token, shorter and longer than a block, not a block multiple,
+# with a sliding window too; blocks of 1, 8 and 16; GQA groups that take the
+# decode, row-wise prefill and transposed prefill tiles of the kernel.
+@pytest.mark.parametrize(
+    "chunk,window,block_size",
+    [(1, None, 8), (5, None, 8), (8, None, 8), (13, None, 1), (24, None, 16), (32, 20, 8)],
+)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_local_attention_equals_dense_attention(chunk, window, block_size, group, dtype):
+    for seed in range(4):
+        b = batch([seed, 13, chunk], block_size=block_size, group=group, dtype=dtype)
+        tables = null_before_first_visible_block(b, window, chunk)
+        masking = dict(window=window, chunk=chunk)
+        out = run_paged("cpu", b, tables, **masking)
+        assert_equals_dense(b, out, **masking)
+        assert_equals_dense(b, run_paged("sdpa", b, tables, **masking), **masking)
+
+
+def test_a_chunk_off_by_one_fails_the_comparison():
+    b = batch(5, block_size=8)
+    assert_equals_dense(b, run_paged("cpu", b, chunk=16), chunk=16)
+    with pytest.raises(AssertionError):
+        assert_equals_dense(b, run_paged("cpu", b, chunk=17), chunk=16)
+    with pytest.raises(AssertionError):
+        assert_equals_dense(b, run_paged("sdpa", b, chunk=15), chunk=16)
 
 
 @pytest.mark.parametrize("head_dim", [16, 24, 128])  # 24: padded to whole vectors inside

@@ -104,7 +104,7 @@ def paged_case(seed: int) -> PagedCase:
     return PagedCase(q, k_cache, v_cache, keys, values, query_lens, seq_lens, tables)
 
 
-def reference(case: PagedCase, window: int | None = None, softcap: float | None = None):
+def reference(case: PagedCase, window: int | None = None, softcap: float | None = None, chunk=None):
     """Dense causal attention per request in fp32: query j of q sits at position L - q + j."""
     out, start = [], 0
     group = case.q.shape[1] // case.keys[0].shape[1]
@@ -122,13 +122,20 @@ def reference(case: PagedCase, window: int | None = None, softcap: float | None 
         hidden = k_pos > q_pos
         if window:
             hidden |= q_pos - k_pos >= window
+        if chunk:
+            hidden |= k_pos // chunk != q_pos // chunk
         scores = scores.masked_fill(hidden, -math.inf)
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(out)
 
 
 def max_error(
-    case: PagedCase, kernel=attention_triton.paged_attention, window=None, softcap=None, splits=None
+    case: PagedCase,
+    kernel=attention_triton.paged_attention,
+    window=None,
+    softcap=None,
+    splits=None,
+    chunk=None,
 ) -> float:
     got = kernel(
         case.q,
@@ -139,9 +146,10 @@ def max_error(
         sliding_window=window,
         softcap=softcap,
         num_kv_splits=splits,
+        chunk=chunk,
     )
     assert got.dtype == case.q.dtype and got.shape == case.q.shape
-    return (got.float() - reference(case, window, softcap)).abs().max().item()
+    return (got.float() - reference(case, window, softcap, chunk)).abs().max().item()
 
 
 def test_kernel_equals_the_dense_oracle_on_200_random_paged_batches():
@@ -159,6 +167,16 @@ def test_sliding_window_and_softcap_equal_the_oracle(window, softcap):
     for seed in range(0, 24, 2):  # float32 cases
         case = paged_case(seed)
         assert max_error(case, window=window, softcap=softcap) <= 2e-5, seed
+
+
+@pytest.mark.parametrize(
+    "chunk,window,splits", [(1, None, None), (5, None, None), (16, 9, None), (11, None, 3)]
+)
+def test_chunked_local_attention_equals_the_oracle(chunk, window, splits):
+    for seed in range(0, 8 if splits else 24, 2):  # float32 cases (split-KV: slower)
+        case = paged_case(seed)
+        err = max_error(case, window=window, splits=splits, chunk=chunk)
+        assert err <= 2e-5, seed
 
 
 @pytest.mark.parametrize("splits", [2, 5])

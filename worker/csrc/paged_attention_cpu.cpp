@@ -4,7 +4,9 @@
 // batches (a chunk of queries continuing a cached context): query j of a
 // request with q queries and context length L sits at position L - q + j and
 // sees keys 0 .. L - q + j (causal, the query's end aligned to the context's end);
-// with a sliding window W only the last W of them, L - q + j - W + 1 .. L - q + j.
+// with a sliding window W only the last W of them, L - q + j - W + 1 .. L - q + j;
+// with chunked local attention of C tokens (Llama 4) only those of its chunk,
+// from (L - q + j) / C * C on (with both, the later lower bound: first_key).
 // A soft-cap c turns each score s (already scaled) into c * tanh(s / c) (Gemma-2).
 //
 // Work is split into items. A decode item is a request with all its heads (or
@@ -167,8 +169,16 @@ struct Problem {
   const int32_t* block_tables;
   float scale;
   int64_t window;  // 0: every earlier key
+  int64_t chunk;   // 0: no chunks
   float softcap;   // 0: none
 };
+
+// The earliest key a query at position ``pos`` sees.
+inline int64_t first_key(const Problem& p, int64_t pos) {
+  int64_t lo = p.window ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+  if (p.chunk) lo = std::max<int64_t>(lo, pos / p.chunk * p.chunk);
+  return lo;
+}
 
 // Per-thread scratch, sized for the largest item of the call.
 struct Scratch {
@@ -323,8 +333,7 @@ void run_item_t(const Problem& p, const Item& it, const T* q, const T* k_cache, 
   const int64_t first_pos = p.seq_lens[it.req] - (p.query_start[it.req + 1] - q0);
   const int nq = it.q_end - it.q_begin, R = nq * G;
   const int64_t kv_end = first_pos + it.q_end;
-  const int64_t kv_begin =
-      p.window ? std::max<int64_t>(0, first_pos + it.q_begin - p.window + 1) : 0;
+  const int64_t kv_begin = first_key(p, first_pos + it.q_begin);
   const int32_t* table = p.block_tables + int64_t(it.req) * p.max_blocks;
 
   float* qt = s.qt.data();
@@ -336,7 +345,8 @@ void run_item_t(const Problem& p, const Item& it, const T* q, const T* k_cache, 
                    (it.head_begin * int64_t(G) + r % G) * p.q_stride_h;
     for (int d = 0; d < D; ++d) qt[size_t(d) * W + r] = static_cast<float>(src[d]) * p.scale;
   }
-  const vec16 lo = p.window ? pos - float(p.window - 1) : splat(-1.0f);
+  vec16 lo;
+  for (int r = 0; r < W; ++r) lo[r] = float(first_key(p, int64_t(pos[r])));
   const float min_pos = float(first_pos + it.q_begin), max_lo = lo[R - 1];
   float* acc = s.acc.data();
   std::fill(acc, acc + size_t(R) * Dp, 0.0f);
@@ -420,9 +430,8 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
   if (nh == 1 && R >= 8 && R <= W) return run_item_t<T, NV>(p, it, q, k_cache, v_cache, out, s);
   const int rows = nh * R;
   const int64_t kv_end = first_pos + it.q_end;  // keys the item's last query sees
-  // With a window the item's first query sees the earliest key any row does.
-  const int64_t kv_begin =
-      p.window ? std::max<int64_t>(0, first_pos + it.q_begin - p.window + 1) : 0;
+  // With a window or chunks the item's first query sees the earliest key any row does.
+  const int64_t kv_begin = first_key(p, first_pos + it.q_begin);
   const int32_t* table = p.block_tables + int64_t(it.req) * p.max_blocks;
 
   for (int hh = 0; hh < nh; ++hh)
@@ -463,7 +472,7 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
     for (int i = 0; i < nq; ++i) {
       const int64_t pos = first_pos + it.q_begin + i;
       s.vis_end[i] = int(std::clamp<int64_t>(pos + 1 - t0, 0, n));
-      s.vis_begin[i] = p.window ? int(std::clamp<int64_t>(pos - p.window + 1 - t0, 0, n)) : 0;
+      s.vis_begin[i] = int(std::clamp<int64_t>(first_key(p, pos) - t0, 0, n));
     }
 
     for (int hh = 0; hh < nh; ++hh) {
@@ -588,7 +597,7 @@ std::vector<Item> plan_items(const Problem& p, int64_t num_reqs, int* max_rows) 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                           double scale, int64_t window, double softcap) {
+                           double scale, int64_t window, double softcap, int64_t chunk) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_attention_cpu: q [T, H, D], caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -622,8 +631,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   p.seq_lens = seq_lens.const_data_ptr<int32_t>();
   p.block_tables = block_tables.const_data_ptr<int32_t>();
   p.scale = float(scale);
-  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention_cpu: window and softcap >= 0");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0 && chunk >= 0,
+              "paged_attention_cpu: window, softcap and chunk >= 0");
   p.window = window;
+  p.chunk = chunk;
   p.softcap = float(softcap);
   TORCH_CHECK(p.query_start[0] == 0 && p.query_start[num_reqs] == q.size(0),
               "paged_attention_cpu: query_start_loc does not cover q's ", q.size(0), " tokens");
@@ -678,7 +689,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
 TORCH_LIBRARY(tokenbudget_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor block_tables, float scale, int window, float softcap) -> Tensor");
+      "Tensor seq_lens, Tensor block_tables, float scale, int window, float softcap, "
+      "int chunk=0) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor");
 }
 
