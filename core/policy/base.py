@@ -44,6 +44,23 @@ def chunk_size(num_left: int, budget: int, threshold: int) -> int:
     return num_left if num_left < budget else budget
 
 
+def blocks_to_admit(
+    kv: KVCacheManager, hits: list[KVCacheBlock], num_cached: int, num_new: int
+) -> int:
+    """Free blocks ``kv.allocate_slots`` takes to admit a request with its
+    prefix ``hits`` (``num_cached`` tokens) and ``num_new`` more tokens: in
+    every KV cache group a block per ``block_size`` tokens past the hit, and
+    the hit blocks it revives from the free queue. With groups
+    (core/kv/groups.py) ``hits`` as a list is the first group's; each
+    group's table is in ``hits.tables``."""
+    tables = getattr(hits, "tables", (hits,))
+    per_group = -(-(num_cached + num_new) // kv.block_size) - len(hits)
+    null = kv.block_pool.null_block
+    # Hit blocks sitting in the free queue stop being free once touched.
+    revived = sum(1 for t in tables for b in t if b.ref_cnt == 0 and b is not null)
+    return max(per_group, 0) * len(kv.windows) + revived
+
+
 class StepView(Protocol):
     """The parts of a step's ledger a policy reads or sets."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tokenbudget.core.config import SchedulerConfig
-from tokenbudget.core.policy.base import SchedulingPolicy
+from tokenbudget.core.policy.base import SchedulingPolicy, blocks_to_admit
 
 if TYPE_CHECKING:
     from tokenbudget.core.kv import KVCacheBlock, KVCacheManager
@@ -50,7 +50,9 @@ class AdmissionReserve(SchedulingPolicy):
         left = min(req.max_tokens - req.num_output_tokens, self.clip)
         return left * (1.0 if req.sampling_params.ignore_eos else self.ratio)
 
-    def reserve_blocks(self, running: list[Request]) -> float:
+    def reserve_blocks(self, running: list[Request], windows: tuple[int, ...] = (0,)) -> float:
+        """Blocks the running requests' expected future tokens take in every
+        KV cache group (``windows``, core/kv/groups.py)."""
         clip = self.clip
         eos = full = 0
         for r in running:
@@ -59,7 +61,16 @@ class AdmissionReserve(SchedulingPolicy):
                 full += left
             else:
                 eos += left
-        return (eos * self.ratio + full) / self.block_size
+        tokens = (eos * self.ratio + full) * windows.count(0)
+        for w in windows:
+            if w:  # a sliding (chunked) group holds a window (chunk) of each request's tokens
+                tokens += sum(min(self.future_tokens(r), abs(w)) for r in running)
+        return tokens / self.block_size
+
+    def growth_blocks(self, req: Request) -> float:
+        """Blocks ``req``'s expected future tokens take in every KV cache group."""
+        t = self.future_tokens(req)
+        return sum(t if w == 0 else min(t, abs(w)) for w in self._kv.windows) / self.block_size
 
     # -- SchedulingPolicy ----------------------------------------------------------
     def begin_step(self, step: StepView, running: list[Request], waiting) -> None:
@@ -69,7 +80,7 @@ class AdmissionReserve(SchedulingPolicy):
         self, step: StepView, waiting, running: list[Request], kv: KVCacheManager
     ) -> Admission | None:
         # Not an order: the start of an admission round.
-        self._reserved = self.reserve_blocks(running)
+        self._reserved = self.reserve_blocks(running, kv.windows)
         self._running = running
         self._kv = kv
         return None
@@ -80,12 +91,11 @@ class AdmissionReserve(SchedulingPolicy):
         if not self._running:
             return True  # an idle engine admits whatever fits now, or nothing would run
         kv = self._kv
-        own = self.future_tokens(req) / kv.block_size
-        need = -(-(num_cached + num_new) // kv.block_size) - len(hits)
-        return kv.num_free_blocks() - need >= self._reserved + own
+        need = blocks_to_admit(kv, hits, num_cached, num_new)
+        return kv.num_free_blocks() - need >= self._reserved + self.growth_blocks(req)
 
     def on_admitted(self, req: Request) -> None:
-        self._reserved += self.future_tokens(req) / self._kv.block_size
+        self._reserved += self.growth_blocks(req)
 
     def on_scheduled(self, step: StepView, running: list[Request], requests) -> None:
         if step.preempted:  # memory ran short this step

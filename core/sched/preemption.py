@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenbudget.core.policy.base import chunk_size, implements
+from tokenbudget.core.policy.base import blocks_to_admit, chunk_size, implements
 from tokenbudget.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -110,7 +110,6 @@ class Preemptor:
         kv = self.kv
         hits, num_cached = kv.get_computed_blocks(head)
         chunk = chunk_size(head.num_tokens - num_cached, self.budget, self.threshold)
-        need_blocks = -(-(num_cached + chunk) // kv.block_size) - len(hits)
-        # Hit blocks sitting in the free queue stop being free once touched.
-        need_blocks += sum(1 for b in hits if b.ref_cnt == 0)
+        # Every KV cache group's blocks, as the allocation will take them.
+        need_blocks = blocks_to_admit(kv, hits, num_cached, chunk)
         return need_blocks, kv.num_free_blocks(), len(running) >= self.max_num_seqs
