@@ -6,12 +6,14 @@ residual adds and the module glue around them); the linears stay extern
 GEMMs (see FREEZE_ON_CPU for why not prepacked). Two things keep it to one trace:
 
 * **Attention is opaque.** The decoder's attention calls the custom op
-  ``tokenbudget::paged_attention(q, k, v, layer_idx, scale, window)``; dynamo
+  ``tokenbudget::paged_attention(q, k, v, layer_idx, scale, window, softcap)``; dynamo
   sees only its fake (shape) implementation. The real one reads the step's
   ``PagedAttentionMetadata`` from a per-thread forward context the runner sets
   around the call (``forward_context``), never from graph inputs, so the
   per-step ints in the metadata (lengths, group plans) never become guards.
   Any attention backend works: the op runs ``paged_attention_forward``.
+  With KV cache groups (worker/kv_groups.py) the metadata names each
+  layer's group (``by_layer``), read there too: one trace serves every group.
 * **The token count is symbolic.** The packed sequence's length and the
   number of kept logits rows are marked dynamic on every call, and sizes are
   treated obliviously (``backed_size_oblivious``), so a 1-token decode step
@@ -88,9 +90,11 @@ def paged_attention_op(
     layer_idx: int,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> out [1, T, H, D]; writes
-    K/V into layer ``layer_idx``'s cache and attends (see the module doc)."""
+    K/V into layer ``layer_idx``'s cache and attends (see the module doc).
+    ``sliding_window`` and ``softcap`` (Gemma-2's attention logit cap): 0 is off."""
     meta = getattr(_context, "meta", None)
     if meta is None:
         raise RuntimeError("tokenbudget::paged_attention runs only inside forward_context(meta)")
@@ -103,12 +107,13 @@ def paged_attention_op(
         scale,
         paged_attn=meta,
         sliding_window=sliding_window or None,
+        softcap=softcap or None,
     )
     return out.contiguous()  # the strides the fake promised
 
 
 @paged_attention_op.register_fake
-def _(query, key, value, layer_idx, scale, sliding_window):
+def _(query, key, value, layer_idx, scale, sliding_window, softcap=0.0):
     _, num_heads, num_tokens, head_dim = query.shape
     return query.new_empty(1, num_tokens, num_heads, value.shape[-1])
 
@@ -127,13 +132,12 @@ def op_attention_forward(
     given ``paged_attn`` (the runner's eager steps: pooling) runs eagerly."""
     if kwargs.get("paged_attn") is not None:
         return paged_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "attention soft-capping and attention sinks are not supported by the paged backend"
-        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks are not supported by the paged backend")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     window = int(kwargs.get("sliding_window") or 0)
-    return paged_attention_op(query, key, value, module.layer_idx, scale, window), None
+    softcap = float(kwargs.get("softcap") or 0.0)
+    return paged_attention_op(query, key, value, module.layer_idx, scale, window, softcap), None
 
 
 def _register_op_attention() -> None:
@@ -157,8 +161,13 @@ def eager_reason(runner) -> str | None:
         return "vision-language models run eagerly"
     if runner.parallel is not None:
         return "tensor-parallel ranks run eagerly"
-    if not getattr(getattr(runner, "kv_layout", None), "plain", True):
-        return "sliding-window / soft-capped attention (KV cache groups) runs eagerly"
+    if any(
+        getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)
+        for m in runner.model.modules()
+    ):
+        # Its query scale depends on each token's position, which the op
+        # (it sees only the layer index) cannot rescale: attention.py does.
+        return "attention temperature tuning (Llama 4's NoPE layers) runs eagerly"
     return None
 
 

@@ -1,10 +1,15 @@
 """The host-memory KV tier, worker side: the host tensors and the copies the
 scheduler lists in each SchedulerOutput (core/kv/tiering.py decides them).
 
-One tensor ``[num_layers, 2, num_slots, block_size, num_kv_heads, head_dim]``
-in host memory (pinned on CUDA, so device copies can be asynchronous). Every
-copy is issued on the device's current stream, the one the forward runs on:
-swap-outs, then swap-ins, then the forward, in stream order.
+One tensor ``[num_tensors, 2, num_slots, block_size, num_kv_heads, head_dim]``
+in host memory, one row per distinct KV tensor: with KV cache groups
+(worker/kv_groups.py) layer i of each group shares a tensor, and a block id
+names memory in one group, so a block's copy through every distinct tensor
+carries exactly what its group's layers wrote (``num_tensors`` is the layers
+of the largest group: a slot costs the bytes of a device block). It is
+pinned on CUDA, so device copies can be asynchronous. Every copy is issued
+on the device's current stream, the one the forward runs on: swap-outs,
+then swap-ins, then the forward, in stream order.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class HostKVCache:
                 f"the host KV tier needs at least one block, got {num_slots}; "
                 "raise kv_offload_memory"
             )
+        # Layers sharing a tensor (KV cache groups) are copied once.
+        kv_caches = list({id(t): t for t in kv_caches}.values())
         self.kv_caches = kv_caches
         _, _, block_size, num_kv_heads, head_dim = kv_caches[0].shape
         device = kv_caches[0].device

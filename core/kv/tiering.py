@@ -12,6 +12,12 @@ tier of the prefix cache, and the copies the worker runs for both.
 * At most ``kv_load_blocks_per_step`` blocks are loaded per step (one request
   needing more loads alone in its step); a swapped request that does not fit
   waits for the next step, a prefix hit is cut short and the rest computed.
+* With KV cache groups (core/kv/groups.py) every group's blocks are swapped
+  (not the null blocks a window left behind) and host slots are keyed as the
+  device keys them (group g > 0: the hash with g appended); a load serves the
+  longest prefix every group can, by the device's hit rule
+  (core/kv/group_loads.py). A block id names memory in one group, and the
+  worker copies a block across every KV tensor (worker/kv_transfer.py).
 
 Copies travel in the SchedulerOutput: ``kv_swap_out`` (device block, host
 slot) and ``kv_swap_in`` (host slot, device block). The worker runs every
@@ -34,6 +40,14 @@ from typing import TYPE_CHECKING
 
 from tokenbudget.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenbudget.core.kv.events import DEVICE, HOST, KVEventPublisher
+from tokenbudget.core.kv.group_loads import (
+    HostLoad,
+    group_key,
+    num_skipped,
+    prefix_copies,
+    release_unloaded,
+    swapped_copies,
+)
 from tokenbudget.core.kv.groups import HybridKVCacheManager
 from tokenbudget.core.kv.manager import KVCacheManager
 
@@ -45,10 +59,13 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class SwappedKV:
-    """Host slots holding a preempted request's first ``num_tokens`` tokens of KV."""
+    """Host slots holding a preempted request's first ``num_tokens`` tokens of
+    KV: ``slots`` every slot it holds, ``tables`` each KV cache group's slot
+    per block (None: the window had left the block, nothing stored)."""
 
     slots: list[KVCacheBlock]
     num_tokens: int
+    tables: list[list[KVCacheBlock | None]]
 
 
 def make_kv_cache_manager(cache_config: CacheConfig, **callbacks) -> KVCacheManager:
@@ -96,11 +113,8 @@ class KVTiering:
             on_evict=self._on_device_evict if spill else None,
             on_store=self._on_device_store if events is not None else None,
         )
-        if self.host is not None and isinstance(kv, HybridKVCacheManager):
-            raise ValueError(
-                "the host KV tier (kv_offload_memory / num_offload_blocks) does not support "
-                "models with several KV cache groups (sliding-window layers) yet"
-            )
+        # Group g > 0 keys its blocks by the hash with g appended, one byte longer.
+        self._hash_size = len(kv.hasher._hash(b""))
         self.block_size = kv.block_size
         self.load_budget = cache_config.kv_load_blocks_per_step
         self.swapped: dict[str, SwappedKV] = {}
@@ -134,7 +148,6 @@ class KVTiering:
         still counts what steps before this one computed."""
         rid = req.request_id
         computed = req.num_computed_tokens
-        blocks = self.kv.req_to_blocks.get(rid, ())
         for group, table in enumerate(self.kv.group_tables(rid)):
             self._uncache_uncomputed(table, computed, group)
         if computed <= 0:
@@ -143,7 +156,7 @@ class KVTiering:
         # A request that must compute its whole prompt (prompt logprobs, MEAN
         # or CLS pooling) recomputes it: a swap would skip those positions.
         if self.host is not None and not req.skip_reading_prefix_cache:
-            self._swap_out_request(req, blocks, computed)
+            self._swap_out_request(req, computed)
 
     def _uncache_uncomputed(self, blocks, computed: int, group: int) -> None:
         # Blocks this step filled at scheduling time are hashed already, but a
@@ -157,55 +170,73 @@ class KVTiering:
                     # Group g > 0 caches under the hash with g appended (groups.py).
                     self.events.removed(h[:-1] if group else h, DEVICE, group)
 
-    def _swap_out_request(self, req: Request, blocks, computed: int) -> None:
-        host = self.host
+    def _swap_out_request(self, req: Request, computed: int) -> None:
+        host, kv = self.host, self.kv
         bs = self.block_size
         n = -(-computed // bs)
         num_full = computed // bs
-        hashes = req.block_hashes if self.kv.enable_caching else ()
-        plan: list[KVCacheBlock | None] = []
-        for i in range(n):
-            h = hashes[i] if i < num_full and i < len(hashes) else None
-            plan.append(host.cached.get(h) if h is not None else None)
-        shared = [s for s in plan if s is not None]
+        hashes = req.block_hashes if kv.enable_caching else ()
+        null = kv.block_pool.null_block
+        # The swap-in restores at most num_tokens - 1 tokens: blocks out of
+        # every such query's window are not stored.
+        reach = min(computed, req.num_tokens - 1)
+        # (group, index, device block, hash or None, host slot already holding it)
+        plan = []
+        for g, table in enumerate(kv.group_tables(req.request_id)):
+            for i in range(num_skipped(kv, reach, kv.windows[g]), n):
+                if table[i] is null:
+                    continue
+                h = hashes[i] if i < num_full and i < len(hashes) else None
+                key = group_key(kv, h, g) if h is not None else None
+                plan.append((g, i, table[i], h, host.cached.get(key) if key else None))
+        shared = [p[4] for p in plan if p[4] is not None]
         need = len(plan) - len(shared)
         if need + sum(1 for s in shared if s.ref_cnt == 0) > host.get_num_free_blocks():
             return  # no room: recompute on resume
         host.touch(shared)
         fresh = iter(host.get_new_blocks(need))
+        tables: list[list[KVCacheBlock | None]] = [[None] * n for _ in kv.windows]
         slots = []
-        for i, slot in enumerate(plan):
+        for g, i, block, h, slot in plan:
             if slot is None:
                 slot = next(fresh)
-                self._swap_out.append((blocks[i].block_id, slot.block_id))
-                h = hashes[i] if i < num_full and i < len(hashes) else None
-                if h is not None and host.cache_block(slot, h) and self.events is not None:
-                    self.events.stored(h, HOST)
+                self._swap_out.append((block.block_id, slot.block_id))
+                if h is not None and host.cache_block(slot, group_key(kv, h, g)):
+                    if self.events is not None:
+                        self.events.stored(h, HOST, group=g)
+            tables[g][i] = slot
             slots.append(slot)
         self.num_swapped_out_blocks += need
-        self.swapped[req.request_id] = SwappedKV(slots, computed)
+        self.swapped[req.request_id] = SwappedKV(slots, computed, tables)
+
+    def _split(self, key: bytes) -> tuple[bytes, int]:
+        """A cache key's block hash and KV cache group."""
+        size = self._hash_size
+        return (key, 0) if len(key) == size else (key[:size], key[size])
 
     def _on_device_evict(
         self, block: KVCacheBlock, block_hash: bytes | None = None, group: int = 0
     ) -> None:
         """Spill a cached device block to the host before it is reused. With
-        KV cache groups (no host tier) its hash and group come along."""
+        KV cache groups its hash and group come along; the host keys it as
+        the device did (``block.block_hash``)."""
         h = block_hash or block.block_hash
+        key = block.block_hash
         host = self.host
         if host is not None:
-            slot = host.cached.get(h)
+            slot = host.cached.get(key)
             if slot is not None:
                 if slot.ref_cnt == 0:  # most recently used again
                     host.free_queue.remove(slot)
                     host.free_queue.append(slot)
             elif host.get_num_free_blocks():
                 (slot,) = host.get_new_blocks(1)
-                host.cache_block(slot, h)
+                host.cache_block(slot, key)
                 host.free_blocks([slot])
                 self._swap_out.append((block.block_id, slot.block_id))
                 self.num_swapped_out_blocks += 1
                 if self.events is not None:
-                    self.events.stored(h, HOST)
+                    self.events.stored(h, HOST, group=group)
         if self.events is not None:
             self.events.removed(h, DEVICE, group)
 
@@ -215,12 +246,13 @@ class KVTiering:
         self.events.stored(block_hash, DEVICE, parent_hash, token_ids, group)
 
     def _on_host_evict(self, slot: KVCacheBlock) -> None:
-        self.events.removed(slot.block_hash, HOST)
+        h, group = self._split(slot.block_hash)
+        self.events.removed(h, HOST, group)
 
     # -- admission -----------------------------------------------------------------
     def plan_load(
         self, req: Request, hits: list[KVCacheBlock], num_cached: int
-    ) -> tuple[list[KVCacheBlock], int] | None:
+    ) -> tuple[HostLoad, int] | None:
         """The host slots to load after the device ``hits`` and the tokens then
         computed; None when a swapped request must wait for the load budget.
         The slots are pinned at once (allocating the request's device blocks
@@ -228,33 +260,33 @@ class KVTiering:
         follow with ``commit_load``, or ``cancel_load`` if allocation fails."""
         host = self.host
         if host is None:
-            return [], num_cached
+            return HostLoad(), num_cached
         bs = self.block_size
         record = self.swapped.get(req.request_id)
         if record is not None:
             # The last token is always computed again: it yields the logits.
             total = min(record.num_tokens, req.num_tokens - 1)
             if len(hits) * bs >= total:
-                return [], num_cached
-            slots = record.slots[len(hits) : -(-total // bs)]
-            if self._loaded and self._loaded + len(slots) > self.load_budget:
+                return HostLoad(), num_cached
+            copies = swapped_copies(self.kv, record.tables, len(hits), total)
+            if copies is None:
+                return HostLoad(), num_cached  # a block left the window: recompute
+            if self._loaded and self._loaded + len(copies) > self.load_budget:
                 return None
-            self._pin(slots)
-            return slots, total
+            load = HostLoad(copies, total - num_cached)
+            self._pin(load)
+            return load, total
         if not host.cached or not self.kv.enable_caching or req.skip_reading_prefix_cache:
-            return [], num_cached
+            return HostLoad(), num_cached
         hashes = req.block_hashes
         max_blocks = min(len(hashes), (req.num_tokens - 1) // bs)
-        room = self.load_budget - self._loaded if self._loaded else max_blocks
-        slots = []
-        get = host.cached.get
-        for h in hashes[len(hits) : max_blocks]:
-            slot = get(h)
-            if slot is None or len(slots) >= room:
-                break
-            slots.append(slot)
-        self._pin(slots)
-        return slots, num_cached + len(slots) * bs
+        room = (
+            self.load_budget - self._loaded if self._loaded else max_blocks * len(self.kv.windows)
+        )
+        k, copies = prefix_copies(self.kv, host, hashes, len(hits), max_blocks, room)
+        load = HostLoad(copies, k * bs - num_cached if copies else 0)
+        self._pin(load)
+        return load, num_cached + load.num_tokens
 
     def _pin(self, slots: list[KVCacheBlock]) -> None:
         if slots:
@@ -268,28 +300,30 @@ class KVTiering:
             self.host.free_blocks(slots)
 
     def commit_load(
-        self, req: Request, hits: list[KVCacheBlock], slots: list[KVCacheBlock], num_cached: int
+        self, req: Request, hits: list[KVCacheBlock], load: HostLoad, num_cached: int
     ) -> None:
-        """``req`` was admitted with ``num_cached`` tokens computed, ``slots``
-        loading into the device blocks right after its ``hits``."""
+        """``req`` was admitted with ``num_cached`` tokens computed, ``load``
+        copying into its device blocks after its ``hits``."""
         rid = req.request_id
         before = self._computed_before.pop(rid, None)
         if before is not None and before > num_cached:
             self.num_recomputed_tokens += before - num_cached
-        host = self.host
-        if slots:
-            blocks = self.kv.req_to_blocks[rid]
-            start = len(hits)
-            self._swap_in.extend(
-                (s.block_id, blocks[start + j].block_id) for j, s in enumerate(slots)
-            )
-            self._loaded += len(slots)
-            self.num_swapped_in_blocks += len(slots)
+        if load.num_tokens:
+            tables = self.kv.group_tables(rid)
+            self._swap_in.extend((s.block_id, tables[g][i].block_id) for g, i, s in load.copies)
+            self._loaded += len(load)
+            self.num_swapped_in_blocks += len(load)
             if rid not in self.swapped:
-                self.num_host_hit_tokens += len(slots) * self.block_size
+                self.num_host_hit_tokens += load.num_tokens
+            # Blocks out of a window got no copy: they must not stay cached.
+            release_unloaded(self.kv, rid, len(hits), num_cached, self._on_unloaded)
         record = self.swapped.pop(rid, None)
         if record is not None:
-            host.free_blocks(record.slots)
+            self.host.free_blocks(record.slots)
+
+    def _on_unloaded(self, block: KVCacheBlock, group: int) -> None:
+        if self.events is not None:
+            self.events.removed(self._split(block.block_hash)[0], DEVICE, group)
 
     def on_free(self, req: Request) -> None:
         """``req`` finished or was aborted (its swapped KV is not needed)."""

@@ -31,11 +31,13 @@ COMMON = dict(
     max_position_embeddings=1024,
 )
 MODELS = {
-    # Small caps so soft-capping changes the scores; query_pre_attn_scalar = head_dim.
+    # Large weights and small caps so soft-capping changes the tokens (with the
+    # default 0.02 init it changes no logit); query_pre_attn_scalar = head_dim.
     "gemma2": dict(
         num_hidden_layers=4,
         sliding_window=WINDOW,
-        attn_logit_softcapping=2.0,
+        initializer_range=0.2,
+        attn_logit_softcapping=1.0,
         final_logit_softcapping=3.0,
         query_pre_attn_scalar=16,
     ),
