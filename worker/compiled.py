@@ -18,6 +18,8 @@ GEMMs (see FREEZE_ON_CPU for why not prepacked). Two things keep it to one trace
   number of kept logits rows are marked dynamic on every call, and sizes are
   treated obliviously (``backed_size_oblivious``), so a 1-token decode step
   reuses the trace of a 3000-token prefill instead of specialising on 1.
+  So after the warm-up and the first step the decoder skips dynamo's guards
+  (``skip_guard_eval_unsafe``): they would only re-check every parameter.
 
 The op declares no mutated argument although it writes the layer's KV cache:
 the cache is not a graph value (no traced op reads or writes it), and every
@@ -61,6 +63,9 @@ PAGED_ATTENTION_OP = "tokenbudget_paged_op"
 FREEZE_ON_CPU = False
 
 _context = threading.local()
+# Calls that evaluate dynamo's guards (and may compile): the warm-up and the
+# first real step; later calls skip them (CompiledDecoder.__call__).
+_GUARDED_CALLS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +87,7 @@ def forward_context(meta: PagedAttentionMetadata) -> Iterator[None]:
         _context.meta = previous
 
 
-@torch.library.custom_op("tokenbudget::paged_attention", mutates_args=())
-def paged_attention_op(
+def _paged_attention_impl(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -112,10 +116,24 @@ def paged_attention_op(
     return out.contiguous()  # the strides the fake promised
 
 
-@paged_attention_op.register_fake
-def _(query, key, value, layer_idx, scale, sliding_window, softcap=0.0):
+def _paged_attention_shape(query, key, value, layer_idx, scale, sliding_window, softcap=0.0):
     _, num_heads, num_tokens, head_dim = query.shape
     return query.new_empty(1, num_tokens, num_heads, value.shape[-1])
+
+
+# Defined through torch.library's low-level API, not ``custom_op``: a compiled
+# step calls the op once per layer, and custom_op's Python wrapper (argument
+# binding, an output-aliasing check per call) cost about a tenth of a batch-1
+# decode step on CPU. One kernel for every device (CompositeExplicitAutograd);
+# steps run under inference_mode, so no autograd formula is needed.
+_LIB = torch.library.Library("tokenbudget", "DEF")
+_LIB.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, "
+    "int sliding_window, float softcap=0.0) -> Tensor"
+)
+_LIB.impl("paged_attention", _paged_attention_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("tokenbudget::paged_attention", _paged_attention_shape, lib=_LIB)
+paged_attention_op = torch.ops.tokenbudget.paged_attention.default
 
 
 def op_attention_forward(
@@ -224,6 +242,7 @@ class CompiledDecoder:
         self.compile_seconds = 0.0  # of the first call: tracing and compiling
         self.num_calls = 0
         self.num_compiles = 0  # graphs inductor compiled for this decoder: 1, or a recompile
+        self.guarded_calls = _GUARDED_CALLS  # calls that evaluate dynamo's guards
         # Freezing folds the weights into the graph as constants (FREEZE_ON_CPU).
         if freeze is None:
             freeze = FREEZE_ON_CPU and self.device.type == "cpu"
@@ -275,6 +294,14 @@ class CompiledDecoder:
     ) -> torch.Tensor:
         if keep.numel() == 0:  # no row sampled: from numpy it has stride 0, a guard
             keep = keep.new_empty(0)
+        if self.num_calls >= self.guarded_calls:
+            # Warmed up: one trace serves every step (the token count is symbolic;
+            # tests/worker/test_compiled_decoder.py checks with guards on that no
+            # step recompiles), so dynamo's guards over every parameter only cost
+            # time: a fifth of a batch-1 CPU decode step.
+            with forward_context(meta), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                self.num_calls += 1
+                return self._fn(input_ids, positions, keep)
         for t in (input_ids, positions, keep):
             torch._dynamo.mark_dynamic(t, 0)
         _context.decoder = self  # whom _inductor counts a compile for

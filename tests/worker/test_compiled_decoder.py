@@ -64,6 +64,7 @@ def test_one_trace_serves_chunks_decodes_and_prefix_hits(
     # architecture in one process share the trace).
     assert decoder is not None and decoder.num_calls == 1 and decoder.num_compiles <= 1
     compiles = decoder.num_compiles
+    decoder.guarded_calls = 10**9  # dynamo's guards on, so a step that needs a new trace makes one
     steps = StepShapes(decoder)
     results = compiled_llm.generate(token_prompts(prompts), GREEDY)
     assert [r.token_ids for r in results] == hf_greedy_16
@@ -85,6 +86,9 @@ def test_one_trace_serves_chunks_decodes_and_prefix_hits(
     assert 0 in kept and 1 in kept and len(kept) >= 4
     # ... through the trace compiled at start-up.
     assert decoder.num_compiles == compiles
+    decoder.guarded_calls = 2  # unguarded again (what every engine does after 2 calls) ...
+    again = compiled_llm.generate(token_prompts(prompts), GREEDY)
+    assert [r.token_ids for r in again] == hf_greedy_16  # ... gives the same tokens
 
 
 def test_pooling_steps_run_eagerly_beside_the_compiled_decoder(compiled_llm, prompts, hf_model):
