@@ -282,9 +282,9 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(f"server: --torch-threads must be >= 0, got {args.torch_threads}")
     import torch
 
-    from tokenbudget.core.utils.cpus import available_cpus
+    from tokenbudget.core.utils.cpus import server_compute_threads
 
-    torch.set_num_threads(args.torch_threads or available_cpus())
+    torch.set_num_threads(args.torch_threads or server_compute_threads())
     from tokenbudget.proto.rpc.ports import BindError
 
     metrics = make_metrics(args)

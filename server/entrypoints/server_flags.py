@@ -24,7 +24,8 @@ SERVER_FLAGS: list[Flag] = [
             type=int,
             default=0,
             help="torch intra-op threads on CPU (default 0: one per CPU this process may "
-            "run on, os.sched_getaffinity, so `taskset -c 0-3 server ...` gets 4; with "
+            "run on, os.sched_getaffinity, but one, left to the event loop, the engine "
+            "thread and a gateway beside it, so `taskset -c 0-4 server ...` gets 4; with "
             "--tensor-parallel-size N each rank gets a 1/N share)",
         ),
     ),
