@@ -1,14 +1,16 @@
 """Linear layers whose weights are prepacked for oneDNN, for eager fp32 on CPU.
 
 ``F.linear`` in fp32 on CPU runs MKL's GEMM on the weight as stored; oneDNN
-runs the same product on a weight reordered once into its blocked layout at
-2-2.5x the rate for 8 rows or more (measured on a 2-core AVX-512 machine, one
-thread: 226-260 against 104-110 GFLOPS at 256 -> 768 and 1024 -> 3072, 64 to
-2048 rows), but slower for a row or two (20 against 36 GFLOPS at 256 -> 768).
-So a packed layer keeps both: the packed copy for 8 rows or more, the plain
-weight below (single-stream decode) and for everyone else who reads
-``weight`` (tied embeddings, LoRA, state dicts). The price is a second copy
-of each linear weight in host memory.
+runs the same product on a weight reordered once into its blocked layout.
+Measured on a 2-core AVX-512 machine, one thread: 226-260 against 104-110
+GFLOPS at 256 -> 768 and 1024 -> 3072 for 64 to 2048 rows; and for a few rows
+(decode batches), where MKL's time grows with each row while oneDNN's stays
+flat, 1024 -> 3072 takes 127 against 299 us for 2 rows and 145 against 582 us
+for 4. MKL wins only for a single row at small shapes (10 against 19 us at
+256 -> 768; even at 1024 -> 3072). So a packed layer keeps both: the packed
+copy from 2 rows on, the plain weight for one row (single-stream decode) and
+for everyone else who reads ``weight`` (tied embeddings, LoRA, state dicts).
+The price is a second copy of each linear weight in host memory.
 
 The packed copy is made on the layer's first forward, from the weight the
 layer has then, so sharding or moving the model before it changes nothing.
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 # Fewer rows than this run F.linear on the plain weight (faster there).
-MIN_PACKED_ROWS = 8
+MIN_PACKED_ROWS = 2
 # Models whose linear weights take more than this keep plain layers: the
 # packed copy doubles their memory.
 MAX_PACKED_BYTES = 4 << 30
@@ -38,7 +40,7 @@ def prepack_available() -> bool:
 
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` (set as the module's class by ``prepack_linears``)
-    that multiplies 8 rows or more with a oneDNN-packed copy of its weight.
+    that multiplies 2 rows or more with a oneDNN-packed copy of its weight.
     Traced by a compiled decoder, it calls our C++ op
     ``tokenbudget_cpu::packed_linear`` (the same choice, made per call), which
     inductor keeps as it is: its own CPU GEMMs would use the plain weight."""

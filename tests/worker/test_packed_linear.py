@@ -1,5 +1,5 @@
 """oneDNN-packed linear layers (worker/packed_linear.py): the same products
-as F.linear at every row count, the packed copy really used from 8 rows, and
+as F.linear at every row count, the packed copy really used from MIN_PACKED_ROWS (2) rows, and
 an eager CPU engine really running them (its greedy tokens are checked
 against transformers by every oracle test in this folder)."""
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 64, 257])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 64, 257])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_equals_f_linear(rows, bias):
     torch.manual_seed(rows)
@@ -66,7 +66,7 @@ def test_an_eager_cpu_engine_multiplies_with_packed_weights(tiny_qwen3_path):
     assert packed and any(m._packed is not None for m in packed)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
 def test_the_op_a_compiled_decoder_calls_equals_f_linear(rows):
     """tokenbudget_cpu::packed_linear (C++): MKL below MIN_PACKED_ROWS rows,
     oneDNN on the packed weight from there; both equal F.linear, and a packed

@@ -661,10 +661,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 // A linear layer whose weight also exists reordered for oneDNN (``packed``,
 // from mkldnn::_reorder_linear_weight): oneDNN on the packed weight from
-// kMinPackedRows rows on, MKL on the plain one below (faster for a row or
-// two). One op, so a compiled decoder calls it at C++ dispatch cost rather
-// than a Python custom op's (worker/packed_linear.py).
-constexpr int64_t kMinPackedRows = 8;
+// kMinPackedRows rows on, MKL on the plain one below (faster for one row).
+// One op, so a compiled decoder calls it at C++ dispatch cost rather than a
+// Python custom op's (worker/packed_linear.py).
+constexpr int64_t kMinPackedRows = 2;  // worker/packed_linear.py's MIN_PACKED_ROWS
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
