@@ -158,6 +158,42 @@ def _kernel():
     return torch.ops.tokenbudget_cpu.paged_attention.default
 
 
+def attend_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    layer_idx: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """One layer of a compiled step in one C++ call: the step's K/V written
+    into layer ``layer_idx``'s cache, then paged_attention with ``meta``'s
+    window and chunk. query [1, H, T, D], key/value [1, Hkv, T, D] ->
+    [1, T, H, D]: paged_attention_forward's result, without its dozen
+    Python-level dispatches per layer."""
+    return _attend_step()(
+        query,
+        key,
+        value,
+        meta.kv_caches[layer_idx],
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        meta.window,
+        softcap,
+        meta.chunk,
+    )
+
+
+@functools.cache
+def _attend_step():
+    _kernel()  # built and loaded, or why not
+    return torch.ops.tokenbudget_cpu.attend_step.default
+
+
 def _self_check() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     block_size, num_kv_heads, head_dim = 4, 2, 16

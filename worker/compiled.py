@@ -49,6 +49,7 @@ from tokenbudget.worker.attention import (
     build_metadata,
     paged_attention_forward,
 )
+from tokenbudget.worker.attention_cpu import attend_step
 from tokenbudget.worker.packed_linear import prepack_for_compile, prepack_linears
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ def _paged_attention_impl(
     meta = getattr(_context, "meta", None)
     if meta is None:
         raise RuntimeError("tokenbudget::paged_attention runs only inside forward_context(meta)")
+    layer_meta = meta if meta.by_layer is None else meta.by_layer[layer_idx]
+    if layer_meta.backend == "cpu" and (not sliding_window or sliding_window == layer_meta.window):
+        return attend_step(query, key, value, layer_meta, layer_idx, scale, softcap)
     out, _ = paged_attention_forward(
         _Layer(layer_idx),
         query,

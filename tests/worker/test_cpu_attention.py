@@ -337,3 +337,31 @@ def test_greedy_tokens_with_the_cpu_kernel_equal_transformers_generate(
     assert [r.token_ids for r in first] == expected
     assert [r.token_ids for r in again] == expected
     assert all(r.num_cached_tokens > 0 for r in again if len(r.prompt_token_ids) > 16)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "window, softcap, chunk", [(None, None, None), (20, 3.0, None), (None, None, 13)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attend_step_writes_the_cache_and_attends_like_the_python_path(
+    seed, window, softcap, chunk, dtype
+):
+    """attention_cpu.attend_step (one C++ call per layer of a compiled step)
+    leaves the same cache and returns the same output as the Python path,
+    and both equal dense attention."""
+    b = batch(seed, block_size=8, dtype=dtype)
+    before = b.cache.clone()
+    want = run_paged("cpu", b, window=window, softcap=softcap, chunk=chunk)
+    written, b.cache = b.cache, before
+    meta = build_metadata(
+        "cpu", [b.cache], 8, b.query_lens, b.seq_lens, b.tables, b.slot_mapping, CPU,
+        window=window or 0, chunk=chunk or 0,
+    )  # fmt: skip
+    scale = b.q.shape[-1] ** -0.5
+    qkv = [t.transpose(0, 1)[None] for t in (b.q, b.new_k, b.new_v)]
+    got = attention_cpu.attend_step(*qkv, meta, 0, scale, softcap or 0.0)
+    assert got.shape == (1, *b.q.shape) and got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(b.cache, written)
+    torch.testing.assert_close(got[0], want, atol=0, rtol=0)
+    assert_equals_dense(b, got[0], window=window, softcap=softcap, chunk=chunk)

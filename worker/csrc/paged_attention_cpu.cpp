@@ -659,6 +659,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// One layer of a compiled decoder's step in one call (worker/compiled.py):
+// the step's K/V written into the layer's cache at ``slot_mapping``, then
+// paged_attention. Python would spend a dozen dispatches per layer on the
+// views, transposes and writes. query [1, H, T, D], key / value
+// [1, Hkv, T, D] (transformers' layout), kv_cache [2, num_blocks,
+// block_size, Hkv, D]; returns [1, T, H, D], contiguous.
+at::Tensor attend_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                       const at::Tensor& block_tables, double scale, int64_t window,
+                       double softcap, int64_t chunk) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && kv_cache.dim() == 5 &&
+                  kv_cache.size(0) == 2 && query.size(0) == 1 && key.size(0) == 1,
+              "attend_step: query [1, H, T, D], key/value [1, Hkv, T, D], "
+              "kv_cache [2, num_blocks, block_size, Hkv, D]");
+  const auto dtype = kv_cache.scalar_type();
+  const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const auto flat = [&](const at::Tensor& c) {
+    return c.view({slots, c.size(2), c.size(3)});
+  };
+  flat(k_cache).index_copy_(0, slot_mapping, key.select(0, 0).transpose(0, 1).to(dtype));
+  flat(v_cache).index_copy_(0, slot_mapping, value.select(0, 0).transpose(0, 1).to(dtype));
+  const at::Tensor q = query.select(0, 0).transpose(0, 1).to(dtype);  // [T, H, D]
+  at::Tensor out = paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                   scale, window, softcap, chunk);
+  return out.to(query.scalar_type()).unsqueeze(0);
+}
+
 // A linear layer whose weight also exists reordered for oneDNN (``packed``,
 // from mkldnn::_reorder_linear_weight): oneDNN on the packed weight from
 // kMinPackedRows rows on, MKL on the plain one below (faster for one row).
@@ -692,11 +721,16 @@ TORCH_LIBRARY(tokenbudget_cpu, m) {
       "Tensor seq_lens, Tensor block_tables, float scale, int window, float softcap, "
       "int chunk=0) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor");
+  m.def(
+      "attend_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+      "float scale, int window, float softcap, int chunk) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenbudget_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("packed_linear", &packed_linear);
+  m.impl("attend_step", &attend_step);
 }
 
 // The packed weight is an opaque oneDNN tensor, so dispatch may land here.
