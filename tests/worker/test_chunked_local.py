@@ -9,14 +9,14 @@ holds a chunk's worth of blocks in the chunked group at every step."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from tokenbudget.core import SamplingParams
 from tokenbudget.core.kv.groups import HybridKVCacheManager, chunked
 from tokenbudget.server import LLM
-from tokenbudget.server.testing.tiny_models import QWEN_SPECIAL_TOKENS
+
+from .test_hybrid_kv import _expected, _prompts
 
 BS = 8
 CHUNK = 12  # not a multiple of the block size: chunks start inside blocks
@@ -64,29 +64,6 @@ def _build_llama4(path, chunk: int, **overrides) -> str:
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory) -> str:
     return _build_llama4(tmp_path_factory.mktemp("llama4"), CHUNK)
-
-
-def _expected(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        return [
-            hf.generate(
-                torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
-
-
-def _prompts(n: int, lengths, seed: int = 3, prefix: list[int] | None = None):
-    rng = np.random.default_rng(seed)
-    return [
-        (prefix or []) + rng.integers(len(QWEN_SPECIAL_TOKENS), 500, size=k).tolist()
-        for k in lengths[:n]
-    ]
 
 
 @pytest.fixture(scope="module")
