@@ -213,7 +213,9 @@ class KVOracle:
     def _block(self, store: dict, key: int) -> list:
         return store.setdefault(key, [None] * self.bs)
 
-    def step(self, s: Scheduler, so: SchedulerOutput) -> None:
+    def copy_and_track(self, so: SchedulerOutput) -> dict[str, int]:
+        """Run the step's copies and update each request's block table; the
+        first computed position of each scheduled request."""
         # Each slot / block is written at most once per step (the worker copies
         # in one batch: a repeated target would be a race).
         assert len({slot for _, slot in so.kv_swap_out}) == len(so.kv_swap_out)
@@ -235,6 +237,10 @@ class KVOracle:
             else:
                 self.tables[rid].extend(ids)
             starts[rid] = start
+        return starts
+
+    def step(self, s: Scheduler, so: SchedulerOutput) -> None:
+        starts = self.copy_and_track(so)
         bs = self.bs
         for rid, n in so.num_scheduled_tokens.items():
             tokens = s.requests[rid].all_token_ids + so.scheduled_spec_decode_tokens.get(rid, [])

@@ -36,7 +36,7 @@ class GroupKVOracle(KVOracle):
         self.windows = windows
 
     def step(self, s: Scheduler, so: SchedulerOutput) -> None:
-        starts = self._tables_and_starts(s, so)
+        starts = self.copy_and_track(so)
         bs, num_groups = self.bs, len(self.windows)
         for rid, n in so.num_scheduled_tokens.items():
             start = starts[rid]
@@ -54,29 +54,6 @@ class GroupKVOracle(KVOracle):
                 for p in range(start, start + n):
                     block = table[(p // bs) * num_groups + g]
                     self._block(self.device, block)[p % bs] = (g, kv_id(tokens, p))
-
-    def _tables_and_starts(self, s: Scheduler, so: SchedulerOutput) -> dict[str, int]:
-        """Run the copies and update the tables as KVOracle.step does."""
-        assert len({slot for _, slot in so.kv_swap_out}) == len(so.kv_swap_out)
-        assert len({block for _, block in so.kv_swap_in}) == len(so.kv_swap_in)
-        for block, slot in so.kv_swap_out:
-            self.host[slot] = list(self._block(self.device, block))
-        for slot, block in so.kv_swap_in:
-            self.device[block] = list(self.host[slot])
-        for rid in so.finished_req_ids | so.preempted_req_ids:
-            self.tables.pop(rid, None)
-        starts = {}
-        for new in so.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids)
-            starts[new.req_id] = new.num_computed_tokens
-        c = so.scheduled_cached_reqs
-        for rid, ids, start in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
-            if rid in c.resumed_token_ids:
-                self.tables[rid] = list(ids)
-            else:
-                self.tables[rid].extend(ids)
-            starts[rid] = start
-        return starts
 
 
 def make_scheduler(
