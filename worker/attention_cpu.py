@@ -36,6 +36,8 @@ from tokenbudget.worker.attention import (
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+# Built into the same library: the idle-priority spinners of worker/idle_poll.py.
+SOURCES = (SOURCE, SOURCE.parent / "idle_poll.cpp")
 # -march=native: the build is for this machine's vector units. The build's
 # folder is named by a hash of the CPU's flags, the torch it links against, the
 # flags and the source, so a cache shared by different machines or virtual
@@ -57,7 +59,7 @@ def _build_folder() -> Path:
 
         cpu = platform.processor() or platform.machine()
     key = "\n".join([cpu, torch.__version__, str(Path(torch.__file__).parent), *CFLAGS])
-    digest = hashlib.sha1(key.encode() + SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha1(key.encode() + b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
     # torch.utils.cpp_extension's default root, computed without importing it (~0.3 s).
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
@@ -95,7 +97,7 @@ def _build() -> str | None:
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=folder.name,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),

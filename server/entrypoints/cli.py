@@ -257,6 +257,16 @@ def _refuse(message: object) -> NoReturn:
     sys.exit(2)
 
 
+def _start_busy_poll() -> None:
+    from tokenbudget.worker import idle_poll
+
+    try:
+        cpus = idle_poll.start()
+    except (RuntimeError, ValueError) as exc:
+        sys.exit(f"server: --busy-poll: {exc}")
+    logger.info("busy polling: an idle-priority spinning thread on each of CPUs %s", cpus)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv)
@@ -298,6 +308,8 @@ def _main(argv: list[str] | None) -> None:
             _refuse(exc)
         except ConnectionError as exc:  # a --worker that cannot be reached or refuses us
             sys.exit(f"server: {exc}")
+        if args.busy_poll:
+            _start_busy_poll()
         # Start-up is done: freeze what it built and keep collections out of the steps.
         policy = configure_gc(args.gc_threshold)
         logger.info(

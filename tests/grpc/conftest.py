@@ -179,7 +179,9 @@ def cluster(tiny_model) -> Cluster:
             *knobs,
         ),
         spawn_server("remote-server", tiny_model, "--worker", f"127.0.0.1:{worker_port}", *knobs),
-        spawn_server("spare-server", tiny_model, *knobs),
+        # Busy polling on: test_server.py checks its spinning threads, and the
+        # drain test that it still drains and exits 0.
+        spawn_server("spare-server", tiny_model, "--busy-poll", *knobs),
     ]
     try:
         for p in procs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.request
@@ -324,6 +325,25 @@ def test_metrics_gauges_rise_while_a_request_runs_and_drop_to_zero_when_idle(clu
     idle = _metrics_when(cluster, lambda v: v["num_requests_running"] == 0)
     assert idle["num_requests_waiting"] == 0
     assert idle["kv_cache_usage_perc"] == 0
+
+
+def test_busy_poll_runs_one_idle_priority_spinner_per_cpu_beside_the_server(cluster):
+    from tokenbudget.worker.idle_poll import idle_priority_threads as idle_threads
+
+    spare = cluster.spare
+    if spare.proc.poll() is not None:
+        pytest.skip("the drain test has stopped the spare server")
+    cpus = sorted(os.sched_getaffinity(spare.proc.pid))
+    spinners = idle_threads(spare.proc.pid)
+    assert sorted(c for a in spinners.values() for c in a) == cpus
+    assert f"busy polling: an idle-priority spinning thread on each of CPUs {cpus}" in "".join(
+        spare.log
+    )
+    with Client(spare.address) as c:  # and it serves
+        out = c.generate("spin", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert out.completion_tokens == 8
+    # The servers without --busy-poll have none.
+    assert idle_threads(cluster.local.proc.pid) == {}
 
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(cluster):
