@@ -36,8 +36,9 @@ from tokenbudget.worker.attention import (
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-# Built into the same library: the idle-priority spinners of worker/idle_poll.py.
-SOURCES = (SOURCE, SOURCE.parent / "idle_poll.cpp")
+# Built into the same library: packed_linear's kernel for a few rows, and the
+# idle-priority spinners of worker/idle_poll.py.
+SOURCES = (SOURCE, SOURCE.parent / "small_rows_linear.cpp", SOURCE.parent / "idle_poll.cpp")
 # -march=native: the build is for this machine's vector units. The build's
 # folder is named by a hash of the CPU's flags, the torch it links against, the
 # flags and the source, so a cache shared by different machines or virtual

@@ -1,5 +1,6 @@
 """oneDNN-packed linear layers (worker/packed_linear.py): the same products
-as F.linear at every row count, the packed copy really used from MIN_PACKED_ROWS (2) rows, and
+as F.linear at every row count, the packed copy really used from MIN_PACKED_ROWS (2) rows
+(from MAX_SMALL_ROWS + 1 where our small-rows kernel is built, which reads the plain weight), and
 an eager CPU engine really running them (its greedy tokens are checked
 against transformers by every oracle test in this folder)."""
 
@@ -8,7 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from tokenbudget.worker import packed_linear
-from tokenbudget.worker.packed_linear import MIN_PACKED_ROWS, PackedLinear, prepack_linears
+from tokenbudget.worker.packed_linear import (
+    MAX_SMALL_ROWS,
+    MIN_PACKED_ROWS,
+    PackedLinear,
+    cpp_linear,
+    prepack_linears,
+    small_rows_kernel,
+)
 
 pytestmark = pytest.mark.skipif(
     not packed_linear.prepack_available(), reason="this torch has no oneDNN"
@@ -27,8 +35,9 @@ def test_packed_linear_equals_f_linear(rows, bias):
     want = F.linear(x, net[0].weight, net[0].bias)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # The packed copy exists exactly when enough rows went through it.
-    assert (net[0]._packed is not None) == (rows >= MIN_PACKED_ROWS)
+    # The packed copy exists once enough rows went through it (at once where
+    # our C++ op runs every row count).
+    assert (net[0]._packed is not None) == (cpp_linear() is not None or rows >= MIN_PACKED_ROWS)
 
 
 def test_a_wrong_packed_weight_shows(monkeypatch):
@@ -66,23 +75,28 @@ def test_an_eager_cpu_engine_multiplies_with_packed_weights(tiny_qwen3_path):
     assert packed and any(m._packed is not None for m in packed)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
-def test_the_op_a_compiled_decoder_calls_equals_f_linear(rows):
-    """tokenbudget_cpu::packed_linear (C++): MKL below MIN_PACKED_ROWS rows,
-    oneDNN on the packed weight from there; both equal F.linear, and a packed
-    weight of another matrix shows from MIN_PACKED_ROWS rows on."""
-    from tokenbudget.worker.attention_cpu import load_cpu_ops
-
-    if load_cpu_ops() is not None:
-        pytest.skip(f"our C++ ops did not build: {load_cpu_ops()}")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 64])
+@pytest.mark.parametrize("shape", [(48, 80), (37, 83), (256, 768)])
+def test_the_op_a_compiled_decoder_calls_equals_f_linear(rows, shape):
+    """tokenbudget_cpu::packed_linear (C++): our kernel on the plain weight up
+    to MAX_SMALL_ROWS rows where built (else MKL below MIN_PACKED_ROWS), oneDNN
+    on the packed weight above; each equals F.linear (ragged shapes: a column
+    tail and a partial block of outputs), and a wrong copy of the weight shows
+    exactly where that copy is read."""
+    if cpp_linear() is None:
+        pytest.skip("our C++ ops did not build")
     torch.manual_seed(rows)
-    weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(rows, 48)
+    k, n = shape
+    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     got = torch.ops.tokenbudget_cpu.packed_linear(x, weight, packed, bias)
-    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    plain_rows = MAX_SMALL_ROWS if small_rows_kernel() else MIN_PACKED_ROWS - 1
     other = torch.ops.mkldnn._reorder_linear_weight(weight.flip(0).contiguous(), None)
     wrong = torch.ops.tokenbudget_cpu.packed_linear(x, weight, other, bias)
-    assert torch.allclose(wrong, got, atol=1e-3) == (rows < MIN_PACKED_ROWS)
+    assert torch.allclose(wrong, got, atol=1e-3) == (rows <= plain_rows)
+    wrong = torch.ops.tokenbudget_cpu.packed_linear(x, weight.flip(0).contiguous(), packed, bias)
+    assert torch.allclose(wrong, got, atol=1e-3) == (rows > plain_rows)
 
 
 def test_a_compiled_cpu_decoder_multiplies_with_packed_weights(tiny_qwen3_path):

@@ -49,6 +49,12 @@
 #include <type_traits>
 #include <vector>
 
+namespace tokenbudget_cpu {
+// small_rows_linear.cpp
+at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, int64_t max_rows);
+}  // namespace tokenbudget_cpu
+
 namespace {
 
 typedef float vec16 __attribute__((vector_size(64)));
@@ -689,15 +695,22 @@ at::Tensor attend_step(const at::Tensor& query, const at::Tensor& key, const at:
 }
 
 // A linear layer whose weight also exists reordered for oneDNN (``packed``,
-// from mkldnn::_reorder_linear_weight): oneDNN on the packed weight from
-// kMinPackedRows rows on, MKL on the plain one below (faster for one row).
-// One op, so a compiled decoder calls it at C++ dispatch cost rather than a
-// Python custom op's (worker/packed_linear.py).
+// from mkldnn::_reorder_linear_weight). Up to kMaxSmallRows rows (decode
+// batches): our kernel on the plain weight (small_rows_linear.cpp), so a step
+// reads one copy of the weights whatever its batch size; where that kernel is
+// not built (no AVX-512), MKL on the plain weight for one row and oneDNN on the
+// packed one from kMinPackedRows rows. One op, so a compiled decoder calls it
+// at C++ dispatch cost rather than a Python custom op's (worker/packed_linear.py).
 constexpr int64_t kMinPackedRows = 2;  // worker/packed_linear.py's MIN_PACKED_ROWS
+constexpr int64_t kMaxSmallRows = 4;   // worker/packed_linear.py's MAX_SMALL_ROWS
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [rows, in_features]");
+  if (x.size(0) <= kMaxSmallRows) {
+    at::Tensor y = tokenbudget_cpu::small_rows_linear(x, weight, bias, kMaxSmallRows);
+    if (y.defined()) return y;
+  }
   if (x.size(0) < kMinPackedRows || x.scalar_type() != at::kFloat)
     return at::linear(x, weight, bias);
   static const c10::OperatorHandle op =
