@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# Fewer rows than this run F.linear on the plain weight (faster there).
+# Without our small-rows kernel, fewer rows than this run F.linear on the
+# plain weight (faster there).
 MIN_PACKED_ROWS = 2
 # Up to this many rows run our kernel on the plain weight, where it is built
 # (csrc/small_rows_linear.cpp; kMaxSmallRows there).
