@@ -345,14 +345,15 @@ class RemoteExecutor(Executor):
                 if done and not step.future.done():
                     step.future.set_result(step.output)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and self._error is None and not conn.pending:
-                return  # our own shutdown
             self._fail(WorkerUnavailableError(f"worker {conn.address}: {_describe(exc)}"), conn)
         except WorkerUnavailableError as exc:
             self._fail(exc, conn)
         else:
-            if conn.pending:  # the worker ended the stream with steps unanswered
-                self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"), conn)
+            # The worker ended the stream, even with no step pending (a stopped
+            # server's GOAWAY): a step sent after it would wait for nobody.
+            self._fail(WorkerUnavailableError(f"worker {conn.address} closed the stream"), conn)
+        # Our own shutdown or reinitialize drops ``conn`` from _conns before it
+        # ends the stream, so _fail ignores the end of a stream we closed.
 
     def _watch(self) -> None:
         """Declare a worker hung when its oldest pending step has waited longer

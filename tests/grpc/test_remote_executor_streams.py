@@ -289,6 +289,45 @@ def test_reinitialize_finds_a_restarted_worker_and_reports_its_kv_size(make_work
         executor.shutdown()
 
 
+class EndsAfterOneStep(ScriptedWorker):
+    """Answers step 1, then ends the stream with nothing pending: cleanly, or
+    by cancelling the call (what a stopping server's GOAWAY may look like)."""
+
+    def __init__(self, cancel: bool) -> None:
+        super().__init__()
+        self.cancel = cancel
+
+    def ExecuteModel(self, request_iterator, context):
+        for out in super().ExecuteModel(request_iterator, context):
+            yield out
+            break
+        if self.cancel:
+            context.cancel()
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["ended", "cancelled"])
+def test_a_step_sent_after_an_idle_worker_ended_its_stream_fails_at_once(make_worker, cancel):
+    """The worker's stream ends with no step pending and the reader thread is
+    gone before the next step is sent: that step fails and the failure is
+    reported, rather than the step waiting for nobody."""
+    _, address = make_worker(EndsAfterOneStep(cancel))
+    executor = _connect(address)
+    failures: list[BaseException] = []
+    executor.add_failure_callback(failures.append)
+    try:
+        (conn,) = executor._conns
+        first, second = _steps(2)
+        assert executor.execute_model(first).result(timeout=_WAIT).sampled_token_ids == [[10], [11]]
+        conn.reader.join(timeout=_WAIT)
+        assert not conn.reader.is_alive()
+        assert len(failures) == 1
+        with pytest.raises(WorkerUnavailableError):
+            executor.execute_model(second).result(timeout=_WAIT)
+    finally:
+        executor.shutdown()
+    assert len(failures) == 1  # our own shutdown is no failure
+
+
 def test_shutdown_ends_a_reinitialize_that_waits_on_a_silent_worker():
     """A listening socket that never speaks gRPC (a stopped process looks so):
     reinitialize waits; shutdown ends the wait at once."""
